@@ -1,0 +1,349 @@
+"""KVTierClient: the Python API an engine integration uses to talk to a local kvtier server.
+
+Stores and retrieves copy directly between caller buffers and the server's shared-memory L1 (one
+memcpy per direction); the server only does bookkeeping. An unreachable server is a miss, never an
+exception (unless `strict`), and a restarted server is detected and re-registered with transparently.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from kvtier.connector.pages import PageSpan
+from kvtier.server import protocol as p
+from kvtier.server.keys import ChunkKeys, Namespace, chunk_keys
+from kvtier.shm.segment import Segment
+
+log = logging.getLogger("kvtier.client")
+
+DEFAULT_URL = "tcp://127.0.0.1:5555"
+
+
+class KVTierUnavailable(RuntimeError):
+    """The server could not be reached (raised only in strict mode; otherwise it is a miss)."""
+
+
+class KVTierError(RuntimeError):
+    """The server answered with an error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+
+
+@dataclass
+class ClientConfig:
+    url: str = DEFAULT_URL
+    connect_timeout_s: float = 1.0
+    request_timeout_s: float = 5.0
+    retry_backoff_s: float = 1.0
+    strict: bool = False
+    instance: str = field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    token: str = ""
+
+
+@dataclass(frozen=True)
+class ChunkHit:
+    chunk: ChunkKeys
+    match: int  # leading engine blocks of this chunk that are stored
+    tier: str
+
+
+@dataclass
+class LookupResult:
+    hits: list[ChunkHit]
+    block_size: int
+
+    @property
+    def blocks(self) -> int:
+        return sum(h.match for h in self.hits)
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_size
+
+
+@dataclass
+class StoreResult:
+    stored: int = 0
+    existing: int = 0
+    busy: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReadChunk:
+    """A leased chunk to copy out: `match` leading blocks of the stored `blocks` are the caller's."""
+
+    chunk: ChunkKeys
+    blocks: int
+    match: int
+    span: PageSpan
+
+
+WriteFn = Callable[[ChunkKeys, PageSpan], None]
+ReadFn = Callable[[ReadChunk], None]
+
+
+class KVTierClient:
+    def __init__(self, config: ClientConfig | None = None) -> None:
+        self.config = config or ClientConfig()
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._segment: Segment | None = None
+        self._segment_array: np.ndarray | None = None
+        self._page_size = 0
+        self.server_id = ""
+        self._namespaces: dict[Namespace, bytes] = {}
+        self._next_attempt = 0.0
+
+    # -- connection ------------------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None and bool(self.server_id)
+
+    def connect(self) -> bool:
+        """Say hello and map the segment. False (or KVTierUnavailable in strict mode) when unreachable."""
+        with self._lock:
+            try:
+                self._hello()
+                return True
+            except KVTierUnavailable:
+                if self.config.strict:
+                    raise
+                return False
+
+    def close(self) -> None:
+        with self._lock:
+            if self._sock is not None and self.server_id:
+                try:
+                    self._call({"op": "bye"}, timeout=0.2)
+                except (KVTierUnavailable, KVTierError):
+                    pass
+            self._reset()
+
+    def _reset(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+        self._sock = None
+        self.server_id = ""
+        self._segment_array = None
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+
+    def _hello(self) -> None:
+        self._reset()
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.config.url)
+        self._sock = sock
+        reply = self._call(
+            {"op": "hello", "version": p.PROTOCOL_VERSION, "instance": self.config.instance,
+             "pid": os.getpid(), "token": self.config.token},
+            timeout=self.config.connect_timeout_s,
+        )
+        segment = Segment.attach(reply["shm_name"], reply["shm_size"])
+        self._segment = segment
+        self._segment_array = segment.array()
+        self._page_size = reply["page_size"]
+        self.server_id = reply["server_id"]
+        self._namespaces = {ns: b"" for ns in self._namespaces}
+        log.info("connected to kvtier server %s at %s", self.server_id[:8], self.config.url)
+
+    def _call(self, message: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """One request/reply on the socket; replies to older (timed-out) requests are skipped."""
+        assert self._sock is not None
+        rid = next(self._ids)
+        message["id"] = rid
+        deadline = time.monotonic() + (timeout if timeout is not None else self.config.request_timeout_s)
+        try:
+            self._sock.send(p.pack(message), flags=zmq.NOBLOCK)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._sock.poll(remaining * 1000):
+                    raise KVTierUnavailable(f"no reply from {self.config.url} within the timeout")
+                reply = p.unpack(self._sock.recv())
+                if reply.get("id") == rid:
+                    break
+        except (zmq.ZMQError, p.ProtocolError) as exc:
+            raise KVTierUnavailable(f"transport error talking to {self.config.url}: {exc}") from None
+        if not reply.get("ok"):
+            raise KVTierError(str(reply.get("code")), str(reply.get("error")))
+        return reply
+
+    def _request(self, message: dict[str, Any], ns: Namespace | None = None) -> dict[str, Any] | None:
+        """A request with reconnect: re-hello and re-register once if the server restarted.
+
+        Returns None when the server is unreachable (non-strict), after which further attempts are
+        skipped until the backoff passes, so an engine is not slowed down by a dead server.
+        """
+        with self._lock:
+            for attempt in range(2):
+                try:
+                    if not self.connected:
+                        if time.monotonic() < self._next_attempt:
+                            raise KVTierUnavailable("server unreachable; backing off")
+                        self._hello()
+                    if ns is not None:
+                        message["ns"] = self._ns_id(ns)
+                    return self._call(dict(message))
+                except KVTierError as exc:
+                    if exc.code in (p.NOT_REGISTERED, p.UNKNOWN_NAMESPACE) and attempt == 0:
+                        log.info("kvtier server forgot this client (restart?): registering again")
+                        self.server_id = ""
+                        continue
+                    raise
+                except KVTierUnavailable:
+                    if self._sock is not None:
+                        log.warning("kvtier server at %s unreachable: treating as misses", self.config.url)
+                    self._reset()
+                    self._next_attempt = time.monotonic() + self.config.retry_backoff_s
+                    if self.config.strict:
+                        raise
+                    return None
+            return None
+
+    def _ns_id(self, ns: Namespace) -> bytes:
+        fp = self._namespaces.get(ns)
+        if not fp:
+            fp = self._call({"op": "register", "namespace": ns.to_dict()})["ns"]
+            self._namespaces[ns] = fp
+        return fp
+
+    def register(self, ns: Namespace) -> bool:
+        """Announce a namespace (also done lazily by every call that names one)."""
+        with self._lock:
+            self._namespaces.setdefault(ns, b"")
+        return self._request({"op": "heartbeat"}, ns) is not None
+
+    def heartbeat(self) -> bool:
+        return self._request({"op": "heartbeat"}) is not None
+
+    def stats(self) -> dict[str, Any] | None:
+        return self._request({"op": "stats"})
+
+    # -- lookup ----------------------------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> LookupResult:
+        """Longest stored prefix of `token_ids` at engine-block granularity."""
+        chunks = chunk_keys(ns, token_ids)
+        return self.lookup_chunks(ns, chunks)
+
+    def lookup_chunks(self, ns: Namespace, chunks: list[ChunkKeys]) -> LookupResult:
+        if not chunks:
+            return LookupResult([], ns.block_size)
+        reply = self._request({"op": "lookup", "chunks": [list(c.block_keys) for c in chunks]}, ns)
+        if reply is None:
+            return LookupResult([], ns.block_size)
+        hits = [ChunkHit(chunks[i], match, tier) for i, (match, tier) in enumerate(reply["hits"])]
+        return LookupResult(hits, ns.block_size)
+
+    # -- store -----------------------------------------------------------------------------------
+
+    def store(
+        self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, sizes: Callable[[ChunkKeys], int],
+        write: WriteFn, skip_chunks: int = 0,
+    ) -> StoreResult:
+        """Store every chunk of `token_ids` from chunk `skip_chunks` on: reserve pages, let `write`
+        copy the chunk's bytes into them, commit. Chunks already stored (or being stored) are skipped."""
+        chunks = chunk_keys(ns, token_ids)[skip_chunks:]
+        return self.store_chunks(ns, chunks, sizes, write)
+
+    def store_chunks(self, ns: Namespace, chunks: list[ChunkKeys], sizes: Callable[[ChunkKeys], int],
+                     write: WriteFn) -> StoreResult:
+        result = StoreResult()
+        if not chunks:
+            return result
+        items = [p.StoreItem(c.key, sizes(c), len(c.block_keys), c.aliases) for c in chunks]
+        reply = self._request({"op": "reserve", "items": [i.to_wire() for i in items]}, ns)
+        if reply is None:
+            result.refused["unreachable"] = len(chunks)
+            return result
+        done: list[int] = []
+        try:
+            for chunk, item, status in zip(chunks, items, reply["results"], strict=True):
+                if status[0] == p.RESERVED:
+                    rid, extents = status[1], status[2]
+                    write(chunk, self._span(extents, item.size))
+                    done.append(rid)
+                elif status[0] == p.EXISTS:
+                    result.existing += 1
+                elif status[0] == p.BUSY:
+                    result.busy += 1
+                else:
+                    reason = status[1] if len(status) > 1 else "unknown"
+                    result.refused[reason] = result.refused.get(reason, 0) + 1
+        finally:
+            pending = [s[1] for s in reply["results"] if s[0] == p.RESERVED and s[1] not in done]
+            if pending:
+                self._request({"op": "abort", "res": pending})
+            if done:
+                committed = self._request({"op": "commit", "res": done})
+                result.stored = committed["committed"] if committed else 0
+        return result
+
+    def _span(self, extents: Sequence[int], size: int) -> PageSpan:
+        assert self._segment_array is not None
+        return PageSpan(self._segment_array, extents, self._page_size, size)
+
+    # -- retrieve --------------------------------------------------------------------------------
+
+    def retrieve(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, read: ReadFn,
+                 max_blocks: int | None = None) -> int:
+        """Copy out the longest stored prefix of `token_ids` (lookup, lease, `read` each chunk, release).
+
+        Returns the number of prefix tokens whose bytes `read` received; 0 on a miss or an error.
+        """
+        chunks = chunk_keys(ns, token_ids)
+        if not chunks:
+            return 0
+        reply = self._request({"op": "lookup", "chunks": [list(c.block_keys) for c in chunks], "acquire": True}, ns)
+        if reply is None or not reply["hits"]:
+            return 0
+        return self._read_leased(chunks, reply, read, max_blocks) * ns.block_size
+
+    def retrieve_chunks(self, ns: Namespace, hits: list[ChunkHit], read: ReadFn) -> int:
+        """Copy out chunks a previous lookup found (each at its matched length); returns blocks read."""
+        if not hits:
+            return 0
+        keys = [h.chunk.block_keys[h.match - 1] for h in hits]
+        reply = self._request({"op": "acquire", "keys": keys}, ns)
+        if reply is None:
+            return 0
+        return self._read_leased([h.chunk for h in hits], reply, read, None)
+
+    def _read_leased(self, chunks: list[ChunkKeys], reply: dict[str, Any], read: ReadFn,
+                     max_blocks: int | None) -> int:
+        blocks = 0
+        try:
+            for chunk, item in zip(chunks, reply["items"], strict=False):
+                if item is None:
+                    break
+                stored, match, size, extents = item
+                if max_blocks is not None:
+                    match = min(match, max_blocks - blocks)
+                if match <= 0:
+                    break
+                read(ReadChunk(chunk, stored, match, self._span(extents, size)))
+                blocks += match
+                if match < len(chunk.block_keys):
+                    break
+        finally:
+            if reply.get("lease"):
+                self._request({"op": "release", "leases": [reply["lease"]]})
+        return blocks

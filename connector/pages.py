@@ -1,0 +1,57 @@
+"""Byte access to one chunk's L1 pages through the client's mapping of the segment.
+
+A chunk lives in a few runs of contiguous pages; a PageSpan turns the chunk's logical byte range into
+those runs so callers copy straight between their own buffers and L1: one memcpy per direction.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+
+class PageSpan:
+    def __init__(self, segment: np.ndarray, extents: Sequence[int], page_size: int, size: int) -> None:
+        self.size = size
+        self._runs: list[tuple[int, int]] = []  # (segment offset, length) per extent
+        self._starts: list[int] = []  # logical offset at which each run starts
+        logical = 0
+        for i in range(0, len(extents), 2):
+            length = min(extents[i + 1] * page_size, size - logical)
+            if length <= 0:
+                break
+            self._starts.append(logical)
+            self._runs.append((extents[i] * page_size, length))
+            logical += length
+        if logical < size:
+            raise ValueError(f"pages hold {logical} bytes, chunk has {size}")
+        end = max(off + n for off, n in self._runs)
+        if end > len(segment):
+            raise ValueError("pages lie outside the mapped segment")
+        self._segment = segment
+
+    def pieces(self, offset: int, length: int) -> Iterator[tuple[int, np.ndarray]]:
+        """(position within the request, segment view) pieces covering [offset, offset + length)."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise ValueError(f"range [{offset}, {offset + length}) outside a chunk of {self.size} bytes")
+        i = bisect.bisect_right(self._starts, offset) - 1
+        done = 0
+        while done < length:
+            seg_off, run_len = self._runs[i]
+            inner = offset + done - self._starts[i]
+            n = min(run_len - inner, length - done)
+            yield done, self._segment[seg_off + inner : seg_off + inner + n]
+            done += n
+            i += 1
+
+    def write(self, offset: int, src: np.ndarray) -> None:
+        """Copy a flat uint8 array into the chunk at `offset`."""
+        for pos, view in self.pieces(offset, src.nbytes):
+            np.copyto(view, src[pos : pos + view.nbytes])
+
+    def read(self, offset: int, dst: np.ndarray) -> None:
+        """Copy the chunk's bytes at `offset` into a flat uint8 array."""
+        for pos, view in self.pieces(offset, dst.nbytes):
+            np.copyto(dst[pos : pos + view.nbytes], view)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# The test command: sets up everything the tests need, then runs unit, integration and e2e tests.
+# Extra arguments go to pytest (e.g. `scripts/test.sh -m unit`).
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$repo"
+py="$(bash scripts/dev_env.sh | tail -n 1)"
+"$py" -m ruff check .
+if [ "$#" -gt 0 ]; then
+  exec "$py" -m pytest "$@"
+fi
+"$py" -m pytest -q -m "unit" tests/unit
+"$py" -m pytest -q -m "integration" tests/integration
+"$py" -m pytest -q -m "e2e" tests/e2e

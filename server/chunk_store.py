@@ -1,0 +1,440 @@
+"""The L1 chunk index: entries, write reservations, read leases, pins, and synchronous room-making.
+
+All bookkeeping is O(1) per key. The server never touches chunk bytes here: clients copy into pages
+they reserved (reserve -> copy -> commit) and out of pages they leased (acquire -> copy -> release).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvtier.server import protocol as p
+from kvtier.server.eviction.base import EvictionPolicy
+from kvtier.server.keys import Namespace
+from kvtier.server.l1_pool import Extents, PagePool, extent_pages
+from kvtier.server.metrics import Metrics
+
+L1 = "l1"
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    key: bytes
+    ns: bytes
+    size: int
+    blocks: int
+    extents: Extents
+    aliases: tuple[bytes, ...]
+    readers: int = 0
+    pins: int = 0
+    doomed: bool = False
+
+    @property
+    def pages(self) -> int:
+        return extent_pages(self.extents)
+
+    @property
+    def evictable(self) -> bool:
+        return not (self.readers or self.pins or self.doomed)
+
+
+@dataclass(slots=True)
+class Reservation:
+    rid: int
+    owner: bytes
+    ns: bytes
+    item: p.StoreItem
+    extents: Extents
+    deadline: float
+
+
+@dataclass(slots=True)
+class Lease:
+    lid: int
+    owner: bytes
+    entries: list[Entry]
+    deadline: float
+
+
+@dataclass(slots=True)
+class ClientState:
+    ident: bytes
+    instance: str
+    pid: int
+    last_seen: float
+    reservations: set[int] = field(default_factory=set)
+    leases: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class AcquiredChunk:
+    """Where a leased chunk's bytes are: `match` leading blocks of its `blocks` are wanted."""
+
+    blocks: int
+    match: int
+    size: int
+    extents: Extents
+
+    def to_wire(self) -> list:
+        return [self.blocks, self.match, self.size, list(self.extents)]
+
+
+class ChunkStore:
+    def __init__(
+        self,
+        pool: PagePool,
+        policy: EvictionPolicy,
+        metrics: Metrics,
+        lease_ttl_s: float = 30.0,
+        reservation_ttl_s: float = 30.0,
+        client_timeout_s: float = 15.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.metrics = metrics
+        self.lease_ttl_s = lease_ttl_s
+        self.reservation_ttl_s = reservation_ttl_s
+        self.client_timeout_s = client_timeout_s
+        self.clock = clock
+        self.namespaces: dict[bytes, Namespace] = {}
+        self.ns_usage: dict[bytes, list[int]] = {}  # fingerprint -> [entries, bytes]
+        self.entries: dict[bytes, Entry] = {}
+        self.index: dict[bytes, tuple[Entry, int]] = {}  # key or alias -> (entry, leading blocks)
+        self.pending: dict[bytes, int] = {}  # key -> reservation id
+        self.reservations: dict[int, Reservation] = {}
+        self.leases: dict[int, Lease] = {}
+        self.clients: dict[bytes, ClientState] = {}
+        self.evictable_pages = 0
+        self.pinned_pages = 0
+        self._ids = itertools.count(1)
+        metrics.l1_capacity.set(pool.num_pages * pool.page_size)
+
+    # -- clients and namespaces ------------------------------------------------------------------
+
+    def hello(self, ident: bytes, instance: str, pid: int) -> None:
+        old = self.clients.pop(ident, None)
+        if old is not None:
+            self._drop_client_holdings(old)
+        self.clients[ident] = ClientState(ident, instance, pid, self.clock())
+        self._update_gauges()
+
+    def client(self, ident: bytes) -> ClientState:
+        state = self.clients.get(ident)
+        if state is None:
+            raise p.ProtocolError(p.NOT_REGISTERED, "say hello first (the server may have restarted)")
+        state.last_seen = self.clock()
+        return state
+
+    def register(self, namespace: Namespace) -> bytes:
+        fp = namespace.fingerprint()
+        self.namespaces.setdefault(fp, namespace)
+        self.ns_usage.setdefault(fp, [0, 0])
+        return fp
+
+    def namespace(self, fp: bytes) -> Namespace:
+        ns = self.namespaces.get(fp)
+        if ns is None:
+            raise p.ProtocolError(p.UNKNOWN_NAMESPACE, "namespace not registered (the server may have restarted)")
+        return ns
+
+    # -- lookup ----------------------------------------------------------------------------------
+
+    def lookup(self, fp: bytes, chunks: list[list[bytes]]) -> list[tuple[Entry, int]]:
+        """The longest stored prefix: per matched chunk, its entry and how many leading blocks match."""
+        bpc = self.namespace(fp).blocks_per_chunk
+        hits: list[tuple[Entry, int]] = []
+        for block_keys in chunks:
+            found = None
+            for j in range(len(block_keys), 0, -1):
+                found = self.index.get(block_keys[j - 1])
+                if found is not None:
+                    break
+            if found is None:
+                break
+            entry, match = found
+            hits.append((entry, match))
+            self.policy.touch(entry.key)
+            if match < bpc or match < len(block_keys):
+                break
+        m = self.metrics
+        requested = sum(map(len, chunks))
+        m.lookups.inc()
+        m.requested_blocks.inc(requested)
+        block = self.namespaces[fp].block_size
+        m.requested_tokens.inc(requested * block)
+        hit_blocks = sum(match for _, match in hits)
+        if hit_blocks:
+            m.hit_tokens.labels(L1).inc(hit_blocks * block)
+        return hits
+
+    # -- store -----------------------------------------------------------------------------------
+
+    def reserve(self, owner: ClientState, fp: bytes, items: list[p.StoreItem]) -> list[list]:
+        """Per item: [status, reservation id, extents] or [REFUSED, reason] / [EXISTS] / [BUSY]."""
+        self.namespace(fp)
+        now = self.clock()
+        results: list[list] = []
+        for item in items:
+            found = self.index.get(item.key)
+            if found is not None and found[1] >= item.blocks:
+                self.policy.touch(found[0].key)
+                self.metrics.store_skipped.labels("exists").inc()
+                results.append([p.EXISTS])
+                continue
+            if item.key in self.pending:
+                self.metrics.store_skipped.labels("in_progress").inc()
+                results.append([p.BUSY])
+                continue
+            npages = self.pool.pages_for(item.size)
+            reason = self._make_room(npages)
+            if reason:
+                self.metrics.refused.labels(reason).inc()
+                results.append([p.REFUSED, reason])
+                continue
+            extents = self.pool.allocate(npages)
+            assert extents is not None  # _make_room guaranteed the pages
+            rid = next(self._ids)
+            self.reservations[rid] = Reservation(rid, owner.ident, fp, item, extents, now + self.reservation_ttl_s)
+            self.pending[item.key] = rid
+            owner.reservations.add(rid)
+            results.append([p.RESERVED, rid, list(extents)])
+        self._update_gauges()
+        return results
+
+    def _make_room(self, npages: int) -> str | None:
+        pool = self.pool
+        if npages > pool.num_pages:
+            return p.TOO_LARGE
+        if pool.free_pages + self.evictable_pages < npages:
+            return p.NO_SPACE
+        while pool.free_pages < npages:
+            key = self.policy.pick_victim(self._is_evictable)
+            if key is None:  # only if the evictable count drifted; refuse rather than loop
+                return p.NO_SPACE
+            self._remove(self.entries[key], "capacity")
+        return None
+
+    def _is_evictable(self, key: bytes) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry.evictable
+
+    def commit(self, owner: ClientState, rids: Iterable[int]) -> int:
+        done = 0
+        for rid in rids:
+            res = self._own_reservation(owner, rid)
+            if res is None:
+                continue
+            self._finish_reservation(res)
+            item = res.item
+            entry = Entry(item.key, res.ns, item.size, item.blocks, res.extents, item.aliases)
+            self.entries[item.key] = entry
+            self.index[item.key] = (entry, item.blocks)
+            for j, alias in enumerate(item.aliases, start=1):
+                if alias not in self.index:
+                    self.index[alias] = (entry, j)
+            self.policy.insert(item.key, item.size)
+            self.evictable_pages += entry.pages
+            usage = self.ns_usage.setdefault(res.ns, [0, 0])
+            usage[0] += 1
+            usage[1] += item.size
+            self.metrics.stores.inc()
+            self.metrics.store_bytes.inc(item.size)
+            self.metrics.item_bytes.observe(item.size)
+            done += 1
+        self._update_gauges()
+        return done
+
+    def abort(self, owner: ClientState, rids: Iterable[int]) -> int:
+        done = 0
+        for rid in rids:
+            res = self._own_reservation(owner, rid)
+            if res is not None:
+                self._finish_reservation(res)
+                self.pool.release(res.extents)
+                done += 1
+        self._update_gauges()
+        return done
+
+    def _own_reservation(self, owner: ClientState, rid: int) -> Reservation | None:
+        res = self.reservations.get(rid)
+        return res if res is not None and res.owner == owner.ident else None
+
+    def _finish_reservation(self, res: Reservation) -> None:
+        del self.reservations[res.rid]
+        if self.pending.get(res.item.key) == res.rid:
+            del self.pending[res.item.key]
+        client = self.clients.get(res.owner)
+        if client is not None:
+            client.reservations.discard(res.rid)
+
+    # -- read ------------------------------------------------------------------------------------
+
+    def acquire(self, owner: ClientState, keys: Iterable[bytes]) -> tuple[int, list[AcquiredChunk | None]]:
+        """Lease the chunks found under `keys` so they stay put while the client copies them out."""
+        entries: list[Entry] = []
+        out: list[AcquiredChunk | None] = []
+        for key in keys:
+            found = self.index.get(key)
+            if found is None:
+                out.append(None)
+                continue
+            entry, match = found
+            self._add_readers(entry, 1)
+            entries.append(entry)
+            out.append(AcquiredChunk(entry.blocks, match, entry.size, entry.extents))
+            self.metrics.retrieves.inc()
+            self.metrics.retrieve_bytes.inc(entry.size)
+        if not entries:
+            return 0, out
+        lid = next(self._ids)
+        self.leases[lid] = Lease(lid, owner.ident, entries, self.clock() + self.lease_ttl_s)
+        owner.leases.add(lid)
+        return lid, out
+
+    def release(self, owner: ClientState, lid: int) -> bool:
+        lease = self.leases.get(lid)
+        if lease is None or lease.owner != owner.ident:
+            return False
+        self._end_lease(lease)
+        return True
+
+    def _end_lease(self, lease: Lease) -> None:
+        del self.leases[lease.lid]
+        client = self.clients.get(lease.owner)
+        if client is not None:
+            client.leases.discard(lease.lid)
+        for entry in lease.entries:
+            self._add_readers(entry, -1)
+        self._update_gauges()
+
+    def _add_readers(self, entry: Entry, delta: int) -> None:
+        self._change_hold(entry, readers=delta)
+
+    def _change_hold(self, entry: Entry, readers: int = 0, pins: int = 0) -> None:
+        """Adjust holds on an entry, keeping the evictable/pinned page counts exact."""
+        was_evictable, was_pinned = entry.evictable, entry.pins > 0
+        entry.readers += readers
+        entry.pins += pins
+        if entry.readers < 0 or entry.pins < 0:
+            raise RuntimeError("negative hold count: accounting is broken")
+        if not entry.doomed:
+            self.evictable_pages += entry.pages * (entry.evictable - was_evictable)
+            self.pinned_pages += entry.pages * ((entry.pins > 0) - was_pinned)
+        elif not (entry.readers or entry.pins):
+            self.pool.release(entry.extents)
+
+    # -- pins and removal ------------------------------------------------------------------------
+
+    def pin(self, keys: Iterable[bytes]) -> int:
+        return self._pin_many(keys, 1)
+
+    def unpin(self, keys: Iterable[bytes]) -> int:
+        return self._pin_many(keys, -1)
+
+    def _pin_many(self, keys: Iterable[bytes], delta: int) -> int:
+        n = 0
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is None or (delta < 0 and entry.pins == 0):
+                continue
+            self._change_hold(entry, pins=delta)
+            n += 1
+        self._update_gauges()
+        return n
+
+    def clear(self, fp: bytes | None = None) -> tuple[int, int]:
+        """Remove every entry (of one namespace); returns (entries, bytes). Leased pages free on release."""
+        victims = [e for e in self.entries.values() if fp is None or e.ns == fp]
+        for entry in victims:
+            self._remove(entry, "clear")
+        self._update_gauges()
+        return len(victims), sum(e.size for e in victims)
+
+    def _remove(self, entry: Entry, reason: str) -> None:
+        del self.entries[entry.key]
+        for key in (entry.key, *entry.aliases):
+            found = self.index.get(key)
+            if found is not None and found[0] is entry:
+                del self.index[key]
+        self.policy.remove(entry.key)
+        if entry.evictable:
+            self.evictable_pages -= entry.pages
+        if entry.pins:  # removal (clear, corruption) drops pins: they name a chunk that is gone
+            self.pinned_pages -= entry.pages
+            entry.pins = 0
+        usage = self.ns_usage.get(entry.ns)
+        if usage is not None:
+            usage[0] -= 1
+            usage[1] -= entry.size
+        self.metrics.evictions.labels(L1, reason).inc()
+        if entry.readers:
+            entry.doomed = True  # pages return when the last reader releases
+        else:
+            self.pool.release(entry.extents)
+
+    # -- expiry ----------------------------------------------------------------------------------
+
+    def sweep(self) -> None:
+        """Reclaim expired leases and reservations, and everything held by clients that went silent."""
+        now = self.clock()
+        for client in [c for c in self.clients.values() if now - c.last_seen > self.client_timeout_s]:
+            del self.clients[client.ident]
+            self._drop_client_holdings(client)
+            self.metrics.clients_lost.inc()
+        for lease in [le for le in self.leases.values() if le.deadline < now]:
+            self._end_lease(lease)
+            self.metrics.leases_expired.inc()
+        for res in [r for r in self.reservations.values() if r.deadline < now]:
+            self._finish_reservation(res)
+            self.pool.release(res.extents)
+            self.metrics.reservations_expired.inc()
+        self._update_gauges()
+
+    def _drop_client_holdings(self, client: ClientState) -> None:
+        for lid in list(client.leases):
+            lease = self.leases.get(lid)
+            if lease is not None:
+                self._end_lease(lease)
+                self.metrics.leases_expired.inc()
+        for rid in list(client.reservations):
+            res = self.reservations.get(rid)
+            if res is not None:
+                self._finish_reservation(res)
+                self.pool.release(res.extents)
+                self.metrics.reservations_expired.inc()
+
+    def drop_client(self, ident: bytes) -> None:
+        client = self.clients.pop(ident, None)
+        if client is not None:
+            self._drop_client_holdings(client)
+            self._update_gauges()
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def _update_gauges(self) -> None:
+        m, ps = self.metrics, self.pool.page_size
+        m.l1_used.set(self.pool.used_pages * ps)
+        m.entries.labels(L1).set(len(self.entries))
+        m.pinned_bytes.set(self.pinned_pages * ps)
+        m.clients.set(len(self.clients))
+
+    def stats(self) -> dict:
+        ps = self.pool.page_size
+        return {
+            "l1_capacity_bytes": self.pool.num_pages * ps,
+            "l1_used_bytes": self.pool.used_pages * ps,
+            "l1_free_pages": self.pool.free_pages,
+            "page_size": ps,
+            "entries": len(self.entries),
+            "index_keys": len(self.index),
+            "reservations": len(self.reservations),
+            "leases": len(self.leases),
+            "clients": len(self.clients),
+            "evictable_bytes": self.evictable_pages * ps,
+            "pinned_bytes": self.pinned_pages * ps,
+            "policy": self.policy.name,
+        }

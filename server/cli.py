@@ -1,0 +1,69 @@
+"""The `kvtier` command. This is the composition root: it wires the admin API into the daemon and
+dispatches client-side tools (bench, status) lazily, so the daemon's modules never import them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvtier.server import config as server_config
+
+# Subcommands implemented outside the daemon: name -> (module, help). Each module offers
+# add_arguments(parser) and run(args) -> int.
+TOOLS = {
+    ("bench", "trace"): ("kvtier.server.bench_trace", "replay eviction traces against LRU and Belady's optimum"),
+    ("bench", "datapath"): ("kvtier.connector.bench_datapath", "copy path vs raw memcpy of the same bytes"),
+    ("bench", "lookup"): ("kvtier.connector.bench_lookup", "lookup round trip vs a bare ZeroMQ+msgpack echo"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="Per-node KV-cache server for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+    server = sub.add_parser("server", help="run the KV-cache daemon", description="Run the KV-cache daemon.")
+    server_config.add_arguments(server)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for (group, name), (module, help_text) in TOOLS.items():
+        if group not in groups:
+            groups[group] = sub.add_parser(group, help=f"{group} tools").add_subparsers(dest="tool", required=True)
+        tool = groups[group].add_parser(name, help=help_text, description=help_text)
+        tool.set_defaults(tool_module=module)
+        _load(module).add_arguments(tool)
+    return parser
+
+
+def _load(module: str):  # noqa: ANN202 - a module object
+    return importlib.import_module(module)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "server":
+        return _run_server(args)
+    return int(_load(args.tool_module).run(args) or 0)
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    try:
+        config = server_config.from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvtier server: {exc}", file=sys.stderr)
+        return 2
+    from kvtier.server import daemon
+    from kvtier.shm.segment import SegmentInUse
+
+    services = []
+    if config.http_port:
+        from kvtier.admin_api.service import AdminService
+
+        services.append(AdminService)
+    try:
+        return daemon.run(config, services)
+    except SegmentInUse as exc:
+        print(f"kvtier server: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

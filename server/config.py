@@ -1,0 +1,138 @@
+"""Server configuration: one dataclass is the single source of every flag, KVTIER_* variable and TOML key.
+
+Precedence: command-line flag > environment variable > `--config` TOML file > built-in default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.server.eviction import DEFAULT_POLICY, POLICIES
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _opt(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class ServerConfig:
+    l1_size_gb: float = _opt(1.0, "L1 shared-memory pool size in GiB (an exact budget)")
+    host: str = _opt("127.0.0.1", "address of the ZeroMQ request port (loopback by default)")
+    port: int = _opt(5555, "ZeroMQ request port (tcp)")
+    ipc_path: str = _opt("", "also listen on this ipc:// socket path (same-node clients)")
+    chunk_size: int = _opt(256, "default chunk size in tokens announced to clients")
+    page_size_kb: int = _opt(64, "L1 page size in KiB: a chunk takes ceil(size/page) pages")
+    eviction_policy: str = _opt(DEFAULT_POLICY, "eviction policy", choices=sorted(POLICIES))
+    lease_ttl_s: float = _opt(30.0, "seconds a read lease (lookup pin / acquire) holds a chunk")
+    reservation_ttl_s: float = _opt(30.0, "seconds a write reservation stays open before reclaim")
+    client_timeout_s: float = _opt(15.0, "seconds without a request or heartbeat before a client is dropped")
+    shm_name: str = _opt("", "shared-memory segment name under /dev/shm (default kvtier-<port>)")
+    shm_mode: str = _opt("600", "octal permission bits of the shared-memory segment")
+    http_host: str = _opt("127.0.0.1", "admin HTTP address")
+    http_port: int = _opt(8080, "admin HTTP port (0 disables the admin API)")
+    admin_token: str = _opt("", "bearer token for the admin API and non-loopback binds", secret=True)
+    log_level: str = _opt("info", "log level", choices=["debug", "info", "warning", "error"])
+
+    @property
+    def l1_bytes(self) -> int:
+        return int(self.l1_size_gb * (1 << 30))
+
+    @property
+    def page_size(self) -> int:
+        return self.page_size_kb * 1024
+
+    @property
+    def segment_name(self) -> str:
+        return self.shm_name or f"kvtier-{self.port}"
+
+    @property
+    def endpoints(self) -> list[str]:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        out = [f"tcp://{host}:{self.port}"]
+        if self.ipc_path:
+            out.append(f"ipc://{self.ipc_path}")
+        return out
+
+    def validate(self) -> None:
+        if self.l1_bytes < self.page_size:
+            raise ValueError("--l1-size-gb must hold at least one page")
+        if not 0 < self.port < 65536:
+            raise ValueError("--port must be in 1..65535")
+        if self.chunk_size <= 0 or self.page_size_kb <= 0:
+            raise ValueError("--chunk-size and --page-size-kb must be positive")
+        if self.eviction_policy not in POLICIES:
+            raise ValueError(f"--eviction-policy must be one of {sorted(POLICIES)}")
+        if self.host not in LOOPBACK_HOSTS and not self.admin_token:
+            raise ValueError(
+                f"--host {self.host} is not loopback: set --admin-token (or KVTIER_ADMIN_TOKEN) so clients authenticate"
+            )
+        if self.http_port and self.http_host not in LOOPBACK_HOSTS and not self.admin_token:
+            raise ValueError(
+                f"--http-host {self.http_host} is not loopback: set --admin-token (or KVTIER_ADMIN_TOKEN) first"
+            )
+        int(self.shm_mode, 8)
+
+
+def env_name(name: str) -> str:
+    return "KVTIER_" + name.upper()
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML file with any of the keys below (underscored names)")
+    for f in dataclasses.fields(ServerConfig):
+        kind = type(f.default)
+        parser.add_argument(
+            flag_name(f.name),
+            dest=f.name,
+            type=kind,
+            default=None,
+            choices=f.metadata.get("choices"),
+            help=f"{f.metadata['help']} (env {env_name(f.name)}, default {f.default!r})",
+        )
+
+
+def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> ServerConfig:
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        with open(args.config, "rb") as fh:
+            values.update(_checked_file(tomllib.load(fh)))
+    for f in dataclasses.fields(ServerConfig):
+        kind = type(f.default)
+        if env_name(f.name) in environ:
+            try:
+                values[f.name] = kind(environ[env_name(f.name)])
+            except ValueError as exc:
+                raise ValueError(f"{env_name(f.name)}: {exc}") from None
+        if getattr(args, f.name, None) is not None:
+            values[f.name] = getattr(args, f.name)
+    config = ServerConfig(**values)
+    config.validate()
+    return config
+
+
+def _checked_file(data: dict[str, Any]) -> dict[str, Any]:
+    known = {f.name: f for f in dataclasses.fields(ServerConfig)}
+    out = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise ValueError(f"unknown config key {key!r}")
+        kind = type(known[name].default)
+        if kind is float and isinstance(value, int):
+            value = float(value)
+        if not isinstance(value, kind):
+            raise ValueError(f"config key {key!r} must be {kind.__name__}")
+        out[name] = value
+    return out

@@ -1,0 +1,135 @@
+"""The daemon's lifecycle: map L1, serve ZeroMQ (and the admin API) on one uvloop loop, shut down cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import uvloop
+import zmq
+import zmq.asyncio
+
+from kvtier.server import protocol as p
+from kvtier.server.chunk_store import ChunkStore
+from kvtier.server.config import ServerConfig
+from kvtier.server.eviction import make_policy
+from kvtier.server.l1_pool import PagePool
+from kvtier.server.metrics import Metrics
+from kvtier.server.rpc import RequestHandler
+from kvtier.shm.segment import Segment
+
+log = logging.getLogger("kvtier.server")
+
+SWEEP_INTERVAL_S = 0.5
+
+
+class Service(Protocol):
+    """Something that runs on the daemon's loop beside the request port (the admin API)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+class Daemon:
+    def __init__(self, config: ServerConfig, services: Sequence[Callable[[Daemon], Service]] = ()) -> None:
+        self.config = config
+        self._service_factories = list(services)
+        self.metrics = Metrics()
+        num_pages = config.l1_bytes // config.page_size
+        self.segment = Segment.create(config.segment_name, num_pages * config.page_size, int(config.shm_mode, 8))
+        self.store = ChunkStore(
+            PagePool(num_pages, config.page_size),
+            make_policy(config.eviction_policy),
+            self.metrics,
+            lease_ttl_s=config.lease_ttl_s,
+            reservation_ttl_s=config.reservation_ttl_s,
+            client_timeout_s=config.client_timeout_s,
+        )
+        segment_info = {"shm_name": self.segment.name, "shm_size": self.segment.size, "page_size": config.page_size}
+        self.handler = RequestHandler(
+            self.store, segment_info, config.chunk_size, heartbeat_s=config.client_timeout_s / 3,
+            token=config.admin_token,
+        )
+        self._stop = asyncio.Event()
+        self._signals = 0
+
+    async def serve(self) -> None:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            for endpoint in self.config.endpoints:
+                sock.bind(endpoint)
+            sweeper = asyncio.create_task(self._sweep())
+            services = [make(self) for make in self._service_factories]
+            for service in services:
+                await service.start()
+            log.info(
+                "kvtier server ready: %s, L1 %.2f GiB in /dev/shm/%s, %d KiB pages, policy %s, pid %d",
+                ", ".join(self.config.endpoints), self.segment.size / (1 << 30), self.segment.name,
+                self.config.page_size_kb, self.config.eviction_policy, os.getpid(),
+            )
+            receiver = asyncio.create_task(self._receive(sock))
+            await self._stop.wait()
+            log.info("kvtier server stopping")
+            receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await receiver
+            sweeper.cancel()
+            for service in reversed(services):
+                await service.stop()
+        finally:
+            sock.close(0)
+            ctx.term()
+            self.segment.close()
+            log.info("kvtier server stopped; shared-memory segment removed")
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        handle = self.handler.handle
+        while True:
+            frames = await sock.recv_multipart(copy=True)
+            if len(frames) != 2:
+                self.metrics.malformed.inc()
+                if len(frames) >= 1:
+                    reply = p.pack(p.error(0, p.BAD_REQUEST, "a request is exactly one frame"))
+                    await sock.send_multipart([frames[0], reply])
+                continue
+            await sock.send_multipart([frames[0], handle(frames[0], frames[1])])
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            try:
+                self.store.sweep()
+            except Exception:  # keep sweeping; a bug here must not stop reclamation
+                log.exception("sweep failed")
+
+
+    def _on_signal(self, sig: int) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second signal: exiting now")
+            with contextlib.suppress(Exception):
+                self.segment.close()
+            os._exit(1)
+        log.info("received %s", signal.Signals(sig).name)
+        self._stop.set()
+
+
+def run(config: ServerConfig, services: Sequence[Callable[[Daemon], Service]] = ()) -> int:
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvloop.run(Daemon(config, services).serve())
+    return 0

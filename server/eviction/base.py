@@ -1,0 +1,42 @@
+"""The interface every eviction policy implements.
+
+A policy only orders keys; the cache owns the bytes. It is told about every committed entry (insert), every
+hit (touch) and every removal (remove), and names the next victim on demand (pick_victim). Keys are opaque
+16-byte chunk digests; all bookkeeping is O(1) amortised per operation.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+
+class EvictionPolicy(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def insert(self, key: bytes, size: int) -> None:
+        """A newly committed entry; `key` is not present."""
+
+    @abc.abstractmethod
+    def touch(self, key: bytes) -> None:
+        """A hit on a present entry (lookup, acquire, store of an existing key)."""
+
+    @abc.abstractmethod
+    def remove(self, key: bytes) -> None:
+        """The entry is gone for any reason (evicted, cleared, corrupt); a no-op for an unknown key."""
+
+    @abc.abstractmethod
+    def pick_victim(self, evictable: Callable[[bytes], bool]) -> bytes | None:
+        """The key to evict next, skipping keys for which `evictable(key)` is False (pinned, leased).
+
+        None if no present key is evictable. The key is not removed: the caller evicts it, then calls remove.
+        """
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Number of present keys."""
+
+    @abc.abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether `key` is present."""

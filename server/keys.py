@@ -1,0 +1,133 @@
+"""Namespace fingerprints and prefix-chained chunk keys: the contract shared by server and clients.
+
+key_{-1} = H(namespace); key_i = H(key_{i-1} || token ids of chunk i as little-endian uint32).
+Each chunk is also findable by the keys of its block-boundary prefixes: the key of the first j blocks of
+chunk i is H(key_{i-1} || tokens of those j blocks), so the full-chunk key is the j = blocks-per-chunk case
+and a lookup can end inside a stored chunk at engine-block granularity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import blake3
+import msgpack
+import numpy as np
+
+KEY_BYTES = 16
+
+
+def digest(data: bytes) -> bytes:
+    """16-byte BLAKE3 digest: deterministic across processes and machines (never Python's hash())."""
+    return blake3.blake3(data).digest(length=KEY_BYTES)
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Every fact that makes KV bytes interchangeable; any difference means no sharing."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    kv_heads: int
+    head_size: int
+    block_size: int
+    layout: str
+    chunk_size: int = 256
+    tp_size: int = 1
+    tp_rank: int = 0
+    revision: str = ""
+    cache_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.chunk_size <= 0:
+            raise ValueError("block_size and chunk_size must be positive")
+        if self.chunk_size % self.block_size:
+            raise ValueError(f"chunk_size {self.chunk_size} is not a multiple of block_size {self.block_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_size // self.block_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Namespace:
+        if not isinstance(data, dict):
+            raise ValueError("namespace must be a map")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown namespace fields: {sorted(unknown)}")
+        return cls(**data)
+
+    def fingerprint(self) -> bytes:
+        """Canonical encoding (sorted keys) hashed: equal namespaces give equal fingerprints everywhere."""
+        canonical = msgpack.packb(_sorted(self.to_dict()), use_bin_type=True)
+        return digest(b"kvtier-ns-v1\x00" + canonical)
+
+
+def _sorted(value: object) -> object:
+    if isinstance(value, dict):
+        return [[k, _sorted(value[k])] for k in sorted(value)]
+    return value
+
+
+@dataclass(frozen=True)
+class ChunkKeys:
+    """Keys of one chunk: `block_keys[j-1]` is the key of its first j blocks; the last is the chunk's own key."""
+
+    index: int
+    start_token: int
+    num_blocks: int
+    block_keys: tuple[bytes, ...]
+
+    @property
+    def key(self) -> bytes:
+        return self.block_keys[-1]
+
+    @property
+    def full(self) -> bool:
+        return len(self.block_keys) == self.num_blocks
+
+    @property
+    def aliases(self) -> tuple[bytes, ...]:
+        """Keys of the leading-block prefixes shorter than the chunk itself."""
+        return self.block_keys[:-1]
+
+
+def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray) -> list[ChunkKeys]:
+    """Keys for every chunk of `token_ids` that holds at least one whole engine block.
+
+    The last chunk may be partial; its trailing tokens that do not fill a block are ignored. Only full
+    chunks continue the chain, so a partial chunk is always the last one.
+    """
+    tokens = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64))
+    if tokens.ndim != 1:
+        raise ValueError("token_ids must be one-dimensional")
+    if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32")
+    data = tokens.astype("<u4").tobytes()
+    bs, cs = namespace.block_size, namespace.chunk_size
+    usable = (len(tokens) // bs) * bs
+    prev = digest(namespace.fingerprint())
+    out: list[ChunkKeys] = []
+    for index, start in enumerate(range(0, usable, cs)):
+        end = min(start + cs, usable)
+        hasher = blake3.blake3(prev)
+        keys = []
+        for b in range(start, end, bs):
+            hasher.update(data[b * 4 : (b + bs) * 4])
+            keys.append(hasher.digest(length=KEY_BYTES))
+        out.append(ChunkKeys(index, start, namespace.blocks_per_chunk, tuple(keys)))
+        prev = keys[-1]
+    return out
+
+
+def tokens_of_hits(namespace: Namespace, hit_blocks: Sequence[int]) -> int:
+    """Number of prefix tokens covered by a lookup's per-chunk hit block counts."""
+    return sum(hit_blocks) * namespace.block_size

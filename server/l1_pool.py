@@ -1,0 +1,75 @@
+"""Fixed-size page allocator over the L1 segment.
+
+Every chunk takes ceil(size / page_size) pages anywhere in the segment, so an allocation succeeds
+whenever enough pages are free: there is no fragmentation failure, and the byte budget is exact in
+pages. Freed pages go back on a stack and are handed out together again, which keeps most chunks in
+one or two contiguous extents (the wire form of a page list).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+Extents = tuple[int, ...]
+"""Flat (first_page, page_count, first_page, page_count, ...) runs of contiguous pages."""
+
+
+class PagePool:
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages <= 0 or page_size <= 0:
+            raise ValueError("page pool needs a positive page count and page size")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        # Stack of free page ids; popping from the top hands out ascending runs first.
+        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
+        self._top = num_pages
+
+    @property
+    def free_pages(self) -> int:
+        return self._top
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - self._top
+
+    def pages_for(self, size: int) -> int:
+        return max(1, -(-size // self.page_size))
+
+    def allocate(self, npages: int) -> Extents | None:
+        """Take `npages` pages, or None if fewer are free (the caller evicts and retries)."""
+        if npages <= 0:
+            raise ValueError("allocation must take at least one page")
+        if npages > self._top:
+            return None
+        pages = self._free[self._top - npages : self._top][::-1].copy()
+        self._top -= npages
+        return to_extents(pages)
+
+    def release(self, extents: Extents) -> None:
+        pages = from_extents(extents)
+        n = len(pages)
+        if self._top + n > self.num_pages:
+            raise RuntimeError("page pool over-release: accounting is broken")
+        self._free[self._top : self._top + n] = pages[::-1]
+        self._top += n
+
+
+def to_extents(pages: np.ndarray) -> Extents:
+    if len(pages) == 0:
+        return ()
+    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [len(pages)]))
+    out: list[int] = []
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        out += (int(pages[s]), e - s)
+    return tuple(out)
+
+
+def from_extents(extents: Extents) -> np.ndarray:
+    parts = [np.arange(extents[i], extents[i] + extents[i + 1], dtype=np.int32) for i in range(0, len(extents), 2)]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int32)
+
+
+def extent_pages(extents: Extents) -> int:
+    return sum(extents[1::2])

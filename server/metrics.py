@@ -1,0 +1,52 @@
+"""Prometheus metrics of one server instance (its own registry, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+_BYTES_BUCKETS = tuple(float(2**p) for p in range(12, 32, 2))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvtier_requests", "Protocol requests handled, by operation", ["op"], registry=r)
+        self.request_errors = Counter(
+            "kvtier_request_errors", "Requests answered with an error, by error code", ["code"], registry=r
+        )
+        self.malformed = Counter("kvtier_malformed_requests", "Frames that could not be parsed as a request", registry=r)
+        self.lookups = Counter("kvtier_lookups", "Lookup requests", registry=r)
+        self.requested_blocks = Counter(
+            "kvtier_lookup_requested_blocks", "Engine blocks asked for by lookups", registry=r
+        )
+        self.requested_tokens = Counter("kvtier_requested_tokens", "Prompt tokens asked for by lookups", registry=r)
+        self.hit_tokens = Counter("kvtier_hit_tokens", "Prompt tokens found by lookups, by tier", ["tier"], registry=r)
+        self.stores = Counter("kvtier_stores", "Chunks committed", registry=r)
+        self.store_bytes = Counter("kvtier_store_bytes", "Bytes committed to L1", registry=r)
+        self.store_skipped = Counter(
+            "kvtier_store_skipped", "Store items not reserved because the chunk exists or is being written",
+            ["reason"], registry=r,
+        )
+        self.refused = Counter("kvtier_refused_stores", "Store items refused, by reason", ["reason"], registry=r)
+        self.retrieves = Counter("kvtier_retrieves", "Chunks acquired for reading", registry=r)
+        self.retrieve_bytes = Counter("kvtier_retrieve_bytes", "Bytes of chunks acquired for reading", registry=r)
+        self.evictions = Counter("kvtier_evictions", "Chunks evicted, by tier and reason", ["tier", "reason"], registry=r)
+        self.leases_expired = Counter("kvtier_leases_expired", "Read leases reclaimed by TTL or client loss", registry=r)
+        self.reservations_expired = Counter(
+            "kvtier_reservations_expired", "Write reservations reclaimed by TTL or client loss", registry=r
+        )
+        self.clients_lost = Counter("kvtier_clients_lost", "Clients dropped after missing heartbeats", registry=r)
+        self.l1_capacity = Gauge("kvtier_l1_capacity_bytes", "L1 pool capacity", registry=r)
+        self.l1_used = Gauge("kvtier_l1_used_bytes", "L1 bytes in use (committed, reserved and doomed pages)", registry=r)
+        self.entries = Gauge("kvtier_entries", "Chunks stored, by tier", ["tier"], registry=r)
+        self.pinned_bytes = Gauge("kvtier_pinned_bytes", "L1 bytes of pinned chunks", registry=r)
+        self.clients = Gauge("kvtier_clients_connected", "Registered clients", registry=r)
+        self.request_latency = Histogram(
+            "kvtier_request_seconds", "Server-side handling time, by operation", ["op"],
+            buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.item_bytes = Histogram(
+            "kvtier_chunk_bytes", "Size of stored chunks", buckets=_BYTES_BUCKETS, registry=r
+        )

@@ -1,0 +1,170 @@
+"""Request handlers: decode and validate a frame, run it against the ChunkStore, encode the reply.
+
+Anything a client sends ends in a reply: malformed input is answered with a typed error and counted,
+never raised into the serving loop.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.server import protocol as p
+from kvtier.server.chunk_store import L1, ChunkStore
+from kvtier.server.keys import Namespace
+
+log = logging.getLogger("kvtier.server")
+
+Handler = Callable[[bytes, dict[str, Any]], dict[str, Any]]
+
+
+class RequestHandler:
+    def __init__(
+        self, store: ChunkStore, segment: dict[str, Any], chunk_size: int, heartbeat_s: float, token: str = ""
+    ) -> None:
+        self.store = store
+        self.token = token.encode()
+        self.server_id = uuid.uuid4().hex
+        self.segment = segment
+        self.chunk_size = chunk_size
+        self.heartbeat_s = heartbeat_s
+        self.metrics = store.metrics
+        self._ops: dict[str, Handler] = {
+            "hello": self._hello,
+            "register": self._register,
+            "lookup": self._lookup,
+            "reserve": self._reserve,
+            "commit": self._commit,
+            "abort": self._abort,
+            "acquire": self._acquire,
+            "release": self._release,
+            "heartbeat": self._heartbeat,
+            "stats": self._stats,
+            "bye": self._bye,
+        }
+
+    def handle(self, ident: bytes, frame: bytes) -> bytes:
+        """One request frame in, one reply frame out."""
+        rid = 0
+        op = "?"
+        started = time.perf_counter()
+        try:
+            message = p.unpack(frame)
+            rid = p.request_id(message)
+            op_value = message.get("op")
+            if not isinstance(op_value, str) or op_value not in self._ops:
+                raise p.ProtocolError(p.UNKNOWN_OP, f"unknown op {op_value!r}"[:200])
+            op = op_value
+            reply = self._ops[op](ident, message)
+        except p.ProtocolError as exc:
+            if exc.code in (p.BAD_REQUEST, p.UNKNOWN_OP):
+                self.metrics.malformed.inc()
+            self.metrics.request_errors.labels(exc.code).inc()
+            reply = p.error(rid, exc.code, exc.message)
+        except Exception:  # a bug must not take the daemon down: answer, count and log it
+            log.exception("internal error handling %s", op)
+            self.metrics.request_errors.labels(p.INTERNAL).inc()
+            reply = p.error(rid, p.INTERNAL, "internal server error")
+        if op != "?":
+            self.metrics.requests.labels(op).inc()
+            self.metrics.request_latency.labels(op).observe(time.perf_counter() - started)
+        return p.pack(reply)
+
+    # -- ops -------------------------------------------------------------------------------------
+
+    def _hello(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        version = p.field(m, "version", int)
+        if version != p.PROTOCOL_VERSION:
+            raise p.ProtocolError(p.VERSION_MISMATCH, f"server speaks protocol {p.PROTOCOL_VERSION}, client {version}")
+        if self.token and not hmac.compare_digest(p.field(m, "token", str, "").encode(), self.token):
+            raise p.ProtocolError(p.UNAUTHORIZED, "missing or wrong token")
+        instance = p.field(m, "instance", str, "")[:200]
+        pid = p.field(m, "pid", int, 0)
+        self.store.hello(ident, instance, pid)
+        log.debug("client %s (pid %s) connected", instance, pid)
+        return p.ok(
+            p.request_id(m),
+            version=p.PROTOCOL_VERSION,
+            server_id=self.server_id,
+            chunk_size=self.chunk_size,
+            heartbeat_s=self.heartbeat_s,
+            lease_ttl_s=self.store.lease_ttl_s,
+            **self.segment,
+        )
+
+    def _register(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        self.store.client(ident)
+        try:
+            namespace = Namespace.from_dict(p.field(m, "namespace", dict))
+        except (TypeError, ValueError) as exc:
+            raise p.ProtocolError(p.BAD_REQUEST, f"bad namespace: {exc}"[:300]) from None
+        return p.ok(p.request_id(m), ns=self.store.register(namespace))
+
+    def _ns(self, m: dict[str, Any]) -> bytes:
+        return p.key_field(p.field(m, "ns", bytes), "ns")
+
+    def _lookup(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        owner = self.store.client(ident)
+        fp = self._ns(m)
+        chunks = p.list_field(m, "chunks")
+        for block_keys in chunks:
+            if not isinstance(block_keys, list) or not block_keys or len(block_keys) > 4096:
+                raise p.ProtocolError(p.BAD_REQUEST, "each chunk is a non-empty list of block keys")
+            for key in block_keys:
+                p.key_field(key)
+        hits = self.store.lookup(fp, chunks)
+        reply = p.ok(p.request_id(m), hits=[[match, L1] for _, match in hits])
+        if p.field(m, "acquire", bool, False) and hits:
+            keys = [chunks[i][match - 1] for i, (_, match) in enumerate(hits)]
+            lid, items = self.store.acquire(owner, keys)
+            reply["lease"] = lid
+            reply["items"] = [item.to_wire() if item else None for item in items]
+        return reply
+
+    def _reserve(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        owner = self.store.client(ident)
+        fp = self._ns(m)
+        items = [p.StoreItem.from_wire(v) for v in p.list_field(m, "items")]
+        return p.ok(p.request_id(m), results=self.store.reserve(owner, fp, items))
+
+    def _ids(self, m: dict[str, Any], name: str) -> list[int]:
+        ids = p.list_field(m, name)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise p.ProtocolError(p.BAD_REQUEST, f"{name} must be a list of integers")
+        return ids
+
+    def _commit(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        owner = self.store.client(ident)
+        return p.ok(p.request_id(m), committed=self.store.commit(owner, self._ids(m, "res")))
+
+    def _abort(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        owner = self.store.client(ident)
+        return p.ok(p.request_id(m), aborted=self.store.abort(owner, self._ids(m, "res")))
+
+    def _acquire(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        owner = self.store.client(ident)
+        keys = [p.key_field(k) for k in p.list_field(m, "keys")]
+        lid, items = self.store.acquire(owner, keys)
+        return p.ok(p.request_id(m), lease=lid, items=[item.to_wire() if item else None for item in items])
+
+    def _release(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        owner = self.store.client(ident)
+        leases = self._ids(m, "leases")
+        return p.ok(p.request_id(m), released=sum(self.store.release(owner, lid) for lid in leases))
+
+    def _heartbeat(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        self.store.client(ident)
+        return p.ok(p.request_id(m), server_id=self.server_id)
+
+    def _stats(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        return p.ok(p.request_id(m), server_id=self.server_id, **self.store.stats())
+
+    def _bye(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        self.store.drop_client(ident)
+        return p.ok(p.request_id(m))
+
+

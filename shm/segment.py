@@ -1,0 +1,110 @@
+"""POSIX shared-memory segments under /dev/shm, created by the server and mapped by local clients.
+
+Plain `os.open` + `mmap` instead of multiprocessing.shared_memory: the latter registers every attach
+with Python's resource tracker, which unlinks the segment when a *client* exits (Python < 3.13).
+The owner holds an exclusive flock on the segment for its lifetime, so a segment whose owner was
+killed is recognisable (the lock is free) and removed at the next start.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
+
+
+class SegmentInUse(RuntimeError):
+    """Another live process owns a segment of that name."""
+
+
+def _path(name: str) -> str:
+    if not _NAME_RE.match(name):
+        raise ValueError(f"invalid shared-memory name {name!r}")
+    return os.path.join(SHM_DIR, name)
+
+
+@dataclass
+class Segment:
+    name: str
+    size: int
+    fd: int
+    buf: mmap.mmap
+    owner: bool
+
+    @classmethod
+    def create(cls, name: str, size: int, mode: int = 0o600) -> Segment:
+        """Create (or take over a stale) segment. Pages are not touched: memory is used only once written."""
+        if size <= 0:
+            raise ValueError("segment size must be positive")
+        path = _path(name)
+        remove_stale(name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, size)
+            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return cls(name, size, fd, buf, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, size: int) -> Segment:
+        """Map an existing segment read-write; `size` must match what the owner announced."""
+        fd = os.open(_path(name), os.O_RDWR)
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise ValueError(f"segment {name} has {actual} bytes, server announced {size}")
+            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        return cls(name, size, -1, buf, owner=False)
+
+    def array(self) -> np.ndarray:
+        """A uint8 view of the whole mapping (no copy)."""
+        return np.frombuffer(self.buf, dtype=np.uint8)
+
+    def close(self) -> None:
+        """Unmap; the owner also unlinks the segment and drops its lock."""
+        try:
+            self.buf.close()
+        except BufferError:
+            # Views still exported: leave the mapping to process exit rather than fail shutdown.
+            pass
+        if self.owner:
+            try:
+                os.unlink(_path(self.name))
+            except FileNotFoundError:
+                pass
+            os.close(self.fd)
+            self.fd = -1
+
+
+def remove_stale(name: str) -> bool:
+    """Remove a segment whose owner is gone; raise SegmentInUse if a live owner holds it."""
+    path = _path(name)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise SegmentInUse(f"shared-memory segment {path} is owned by a running server") from exc
+            raise
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
