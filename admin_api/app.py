@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 
 from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
 from kvtier.server.daemon import Daemon
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 
 def create_app(daemon: Daemon) -> FastAPI:

@@ -7,7 +7,6 @@ import contextlib
 import logging
 
 import uvicorn
-
 from kvtier.admin_api.app import create_app
 from kvtier.server.daemon import Daemon
 

@@ -7,6 +7,7 @@ exception (unless `strict`), and a restarted server is detected and re-registere
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -19,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-
 from kvtier.connector.pages import PageSpan
 from kvtier.server import protocol as p
 from kvtier.server.keys import ChunkKeys, Namespace, chunk_keys
@@ -130,10 +130,8 @@ class KVTierClient:
     def close(self) -> None:
         with self._lock:
             if self._sock is not None and self.server_id:
-                try:
+                with contextlib.suppress(KVTierUnavailable, KVTierError):
                     self._call({"op": "bye"}, timeout=0.2)
-                except (KVTierUnavailable, KVTierError):
-                    pass
             self._reset()
 
     def _reset(self) -> None:

@@ -157,9 +157,12 @@ class ChunkStore:
                 break
             entry, match = found
             hits.append((entry, match))
-            self.policy.touch(entry.key)
             if match < bpc or match < len(block_keys):
                 break
+        # Touch the prefix back to front: its first chunk becomes the most recent, since losing it
+        # makes every later chunk of the prefix unreachable.
+        for entry, _ in reversed(hits):
+            self.policy.touch(entry.key)
         m = self.metrics
         requested = sum(map(len, chunks))
         m.lookups.inc()
@@ -224,7 +227,7 @@ class ChunkStore:
 
     def commit(self, owner: ClientState, rids: Iterable[int]) -> int:
         done = 0
-        for rid in rids:
+        for rid in reversed(list(rids)):  # a prefix's first chunk enters the policy last (most recent)
             res = self._own_reservation(owner, rid)
             if res is None:
                 continue

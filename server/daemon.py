@@ -13,7 +13,6 @@ from typing import Protocol
 import uvloop
 import zmq
 import zmq.asyncio
-
 from kvtier.server import protocol as p
 from kvtier.server.chunk_store import ChunkStore
 from kvtier.server.config import ServerConfig

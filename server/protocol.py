@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
-
 from kvtier.server.keys import KEY_BYTES
 
 PROTOCOL_VERSION = 1

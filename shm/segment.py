@@ -8,6 +8,7 @@ killed is recognisable (the lock is free) and removed at the next start.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -76,16 +77,12 @@ class Segment:
 
     def close(self) -> None:
         """Unmap; the owner also unlinks the segment and drops its lock."""
-        try:
+        # Views still exported (BufferError): leave the mapping to process exit rather than fail shutdown.
+        with contextlib.suppress(BufferError):
             self.buf.close()
-        except BufferError:
-            # Views still exported: leave the mapping to process exit rather than fail shutdown.
-            pass
         if self.owner:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(_path(self.name))
-            except FileNotFoundError:
-                pass
             os.close(self.fd)
             self.fd = -1
 
