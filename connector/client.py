@@ -28,6 +28,7 @@ from kvtier.shm.segment import Segment
 log = logging.getLogger("kvtier.client")
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
+L1_TIER = "l1"
 
 
 class KVTierUnavailable(RuntimeError):
@@ -314,6 +315,12 @@ class KVTierClient:
         if reply is None or not reply["hits"]:
             return 0
         return self._read_leased(chunks, reply, read, max_blocks) * ns.block_size
+
+    def retrieve_prefix(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, read: ReadFn) -> int:
+        """Copy out exactly the whole blocks of `token_ids` that an earlier lookup found, without a second
+        lookup (so hit metrics count the request once). Returns the prefix tokens `read` received."""
+        hits = [ChunkHit(c, len(c.block_keys), L1_TIER) for c in chunk_keys(ns, token_ids)]
+        return self.retrieve_chunks(ns, hits, read) * ns.block_size
 
     def retrieve_chunks(self, ns: Namespace, hits: list[ChunkHit], read: ReadFn) -> int:
         """Copy out chunks a previous lookup found (each at its matched length); returns blocks read."""

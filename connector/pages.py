@@ -46,12 +46,33 @@ class PageSpan:
             done += n
             i += 1
 
+    def _within_run(self, offset: int, length: int) -> np.ndarray | None:
+        """The segment view of [offset, offset + length) when one page run holds it all (the common case:
+        per-block copies of a chunk in one or two runs), so that a copy costs one slice and one np.copyto
+        instead of a generator; None otherwise (a split range or an out-of-range request)."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            return None
+        i = bisect.bisect_right(self._starts, offset) - 1
+        seg_off, run_len = self._runs[i]
+        inner = offset - self._starts[i]
+        if inner + length > run_len:
+            return None
+        return self._segment[seg_off + inner : seg_off + inner + length]
+
     def write(self, offset: int, src: np.ndarray) -> None:
         """Copy a flat uint8 array into the chunk at `offset`."""
+        view = self._within_run(offset, src.nbytes)
+        if view is not None:
+            np.copyto(view, src)
+            return
         for pos, view in self.pieces(offset, src.nbytes):
             np.copyto(view, src[pos : pos + view.nbytes])
 
     def read(self, offset: int, dst: np.ndarray) -> None:
         """Copy the chunk's bytes at `offset` into a flat uint8 array."""
+        view = self._within_run(offset, dst.nbytes)
+        if view is not None:
+            np.copyto(dst, view)
+            return
         for pos, view in self.pieces(offset, dst.nbytes):
             np.copyto(dst[pos : pos + view.nbytes], view)
