@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.server import protocol as p
 from kvtier.server.eviction.base import EvictionPolicy
-from kvtier.server.keys import Namespace
+from kvtier.server.keys import Namespace, chunk_keys
 from kvtier.server.l1_pool import Extents, PagePool, extent_pages
 from kvtier.server.metrics import Metrics
 
@@ -183,7 +183,9 @@ class ChunkStore:
         results: list[list] = []
         for item in items:
             found = self.index.get(item.key)
-            if found is not None and found[1] >= item.blocks:
+            # A key stored as its own entry is never re-reserved, whatever block count a client claims:
+            # committing it again would orphan the old entry's pages.
+            if found is not None and (found[1] >= item.blocks or item.key in self.entries):
                 self.policy.touch(found[0].key)
                 self.metrics.store_skipped.labels("exists").inc()
                 results.append([p.EXISTS])
@@ -232,10 +234,12 @@ class ChunkStore:
             if res is None:
                 continue
             self._finish_reservation(res)
+            self.metrics.store_seconds.observe(max(0.0, self.clock() - res.deadline + self.reservation_ttl_s))
             item = res.item
             entry = Entry(item.key, res.ns, item.size, item.blocks, res.extents, item.aliases)
             self.entries[item.key] = entry
             self.index[item.key] = (entry, item.blocks)
+            self._supersede_partials(item.aliases)
             for j, alias in enumerate(item.aliases, start=1):
                 if alias not in self.index:
                     self.index[alias] = (entry, j)
@@ -250,6 +254,14 @@ class ChunkStore:
             done += 1
         self._update_gauges()
         return done
+
+    def _supersede_partials(self, aliases: tuple[bytes, ...]) -> None:
+        """Drop stored partial chunks that are leading blocks of a chunk being committed: the same key
+        means the same tokens, so the longer chunk serves them, and its aliases take their place."""
+        for alias in aliases:
+            found = self.index.get(alias)
+            if found is not None and found[0].key == alias and not found[0].pins:
+                self._remove(found[0], "superseded")
 
     def abort(self, owner: ClientState, rids: Iterable[int]) -> int:
         done = 0
@@ -302,6 +314,7 @@ class ChunkStore:
         lease = self.leases.get(lid)
         if lease is None or lease.owner != owner.ident:
             return False
+        self.metrics.retrieve_seconds.observe(max(0.0, self.clock() - lease.deadline + self.lease_ttl_s))
         self._end_lease(lease)
         return True
 
@@ -440,4 +453,135 @@ class ChunkStore:
             "evictable_bytes": self.evictable_pages * ps,
             "pinned_bytes": self.pinned_pages * ps,
             "policy": self.policy.name,
+            "evictions": _total(self.metrics.evictions),
+            "malformed": _total(self.metrics.malformed),
         }
+
+    # -- admin operations (admin API) -------------------------------------------------------------
+
+    def resolve(self, key: bytes) -> Entry | None:
+        """The stored entry a chunk key (or one of its leading-block prefix keys) names."""
+        found = self.index.get(key)
+        return found[0] if found is not None else None
+
+    def prefix_keys(self, fp: bytes, token_ids: Sequence[int]) -> list[bytes]:
+        """The key of every full and partial chunk of a token prefix (ValueError for bad token ids)."""
+        return [c.key for c in chunk_keys(self.namespace(fp), token_ids)]
+
+    def pin_keys(self, keys: Iterable[bytes], delta: int = 1) -> tuple[list[bytes], list[bytes], int]:
+        """Pin (delta 1) or unpin (-1) the entries named by `keys` (chunk or prefix keys), once each.
+
+        Returns (keys found, keys not found, entries changed). Unpinning an unpinned entry changes nothing.
+        """
+        found: list[bytes] = []
+        missing: list[bytes] = []
+        done: set[int] = set()
+        for key in keys:
+            entry = self.resolve(key)
+            if entry is None:
+                missing.append(key)
+                continue
+            found.append(key)
+            if id(entry) in done or (delta < 0 and entry.pins == 0):
+                continue
+            done.add(id(entry))
+            self._change_hold(entry, pins=delta)
+        self._update_gauges()
+        return found, missing, len(done)
+
+    def held_pages(self) -> int:
+        """Pages no eviction can free now: pinned or leased entries, and removed ones still being read."""
+        held = {id(e): e for e in self.entries.values() if e.pins or e.readers}
+        for lease in self.leases.values():
+            for e in lease.entries:
+                if e.doomed:
+                    held[id(e)] = e
+        return sum(e.pages for e in held.values())
+
+    def reserved_pages(self) -> int:
+        return sum(extent_pages(r.extents) for r in self.reservations.values())
+
+    def resize(self, num_pages: int) -> dict:
+        """Set the L1 page budget; a shrink evicts (policy order) until the pool fits.
+
+        ValueError beyond the segment; ResizeRefused below the pinned and leased pages. Pages of open write
+        reservations above the new budget return as those writes finish (reported as `draining_bytes`).
+        """
+        pool, ps = self.pool, self.pool.page_size
+        if not 0 < num_pages <= pool.segment_pages:
+            raise ValueError(f"L1 size must be 1..{pool.segment_pages} pages of {ps} bytes (the segment)")
+        held = self.held_pages()
+        if num_pages < held:
+            raise ResizeRefused(
+                f"cannot shrink L1 to {num_pages * ps} bytes: {held * ps} bytes are pinned or leased"
+            )
+        old = pool.num_pages
+        pool.set_budget(num_pages)
+        evicted = freed = 0
+        while pool.used_pages > num_pages:
+            key = self.policy.pick_victim(self._is_evictable)
+            if key is None:
+                break
+            entry = self.entries[key]
+            self._remove(entry, "resize")
+            evicted += 1
+            freed += entry.size
+        self.metrics.l1_capacity.set(num_pages * ps)
+        self._update_gauges()
+        return {
+            "old_capacity_bytes": old * ps,
+            "capacity_bytes": num_pages * ps,
+            "evicted_entries": evicted,
+            "evicted_bytes": freed,
+            "draining_bytes": max(0, pool.used_pages - num_pages) * ps,
+        }
+
+    def set_policy(self, policy: EvictionPolicy) -> int:
+        """Swap the eviction policy, re-inserting entries in the old policy's eviction order (next victim
+        first, so it stays the coldest); returns the entries moved."""
+        old = self.policy
+        order: list[bytes] = []
+        seen: set[bytes] = set()
+        for _ in range(len(self.entries) + 1):
+            key = old.pick_victim(lambda _k: True)
+            if key is None or key in seen:
+                break
+            old.remove(key)
+            seen.add(key)
+            if key in self.entries:
+                order.append(key)
+        order += [k for k in self.entries if k not in seen]
+        for key in order:
+            policy.insert(key, self.entries[key].size)
+        self.policy = policy
+        return len(order)
+
+    def namespace_stats(self) -> list[dict]:
+        """Per registered namespace: its fingerprint, identity and usage (entries, bytes, pinned bytes)."""
+        pinned: dict[bytes, int] = {}
+        for e in self.entries.values():
+            if e.pins:
+                pinned[e.ns] = pinned.get(e.ns, 0) + e.size
+        out = []
+        for fp, ns in self.namespaces.items():
+            entries, nbytes = self.ns_usage.get(fp, (0, 0))
+            out.append({"fingerprint": fp.hex(), **ns.to_dict(), "entries": entries, "bytes": nbytes,
+                        "pinned_bytes": pinned.get(fp, 0)})
+        return out
+
+    def client_stats(self) -> list[dict]:
+        now = self.clock()
+        return [
+            {"instance": c.instance, "pid": c.pid, "last_seen_s_ago": round(now - c.last_seen, 3),
+             "leases": len(c.leases), "reservations": len(c.reservations)}
+            for c in self.clients.values()
+        ]
+
+
+def _total(counter) -> int:
+    """A counter's value summed over all its label children."""
+    return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
+
+
+class ResizeRefused(Exception):
+    """A shrink below what pins and leases hold."""

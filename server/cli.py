@@ -9,12 +9,13 @@ import sys
 
 from kvtier.server import config as server_config
 
-# Subcommands implemented outside the daemon: name -> (module, help). Each module offers
+# Subcommands implemented outside the daemon: (group, name) or (name,) -> (module, help). Each module offers
 # add_arguments(parser) and run(args) -> int.
 TOOLS = {
     ("bench", "trace"): ("kvtier.server.bench_trace", "replay eviction traces against LRU and Belady's optimum"),
     ("bench", "datapath"): ("kvtier.connector.bench_datapath", "copy path vs raw memcpy of the same bytes"),
     ("bench", "lookup"): ("kvtier.connector.bench_lookup", "lookup round trip vs a bare ZeroMQ+msgpack echo"),
+    ("status",): ("kvtier.admin_api.status_cli", "summarise a running server's admin /status"),
 }
 
 
@@ -24,7 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     server = sub.add_parser("server", help="run the KV-cache daemon", description="Run the KV-cache daemon.")
     server_config.add_arguments(server)
     groups: dict[str, argparse._SubParsersAction] = {}
-    for (group, name), (module, help_text) in TOOLS.items():
+    for names, (module, help_text) in TOOLS.items():
+        if len(names) == 1:  # a top-level command: `kvtier status`
+            tool = sub.add_parser(names[0], help=help_text, description=help_text)
+            tool.set_defaults(tool_module=module)
+            _load(module).add_arguments(tool)
+            continue
+        group, name = names
         if group not in groups:
             groups[group] = sub.add_parser(group, help=f"{group} tools").add_subparsers(dest="tool", required=True)
         tool = groups[group].add_parser(name, help=help_text, description=help_text)

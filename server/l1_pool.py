@@ -19,18 +19,30 @@ class PagePool:
         if num_pages <= 0 or page_size <= 0:
             raise ValueError("page pool needs a positive page count and page size")
         self.page_size = page_size
-        self.num_pages = num_pages
+        self.segment_pages = num_pages  # pages the segment holds: the most the budget can grow to
+        self.num_pages = num_pages  # the page budget (L1 capacity); set_budget() moves it
         # Stack of free page ids; popping from the top hands out ascending runs first.
         self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
         self._top = num_pages
 
     @property
     def free_pages(self) -> int:
-        return self._top
+        """Pages that may still be allocated under the budget (negative while a shrink is draining)."""
+        return self.num_pages - self.used_pages
 
     @property
     def used_pages(self) -> int:
-        return self.num_pages - self._top
+        return self.segment_pages - self._top
+
+    def set_budget(self, num_pages: int) -> None:
+        """Change the page budget. Pages in use above a smaller budget stay until released."""
+        if not 0 < num_pages <= self.segment_pages:
+            raise ValueError(f"page budget must be in 1..{self.segment_pages}")
+        self.num_pages = num_pages
+
+    def free_extents(self) -> Extents:
+        """Every page not in use, as extents (e.g. to return their memory to the OS)."""
+        return to_extents(np.sort(self._free[: self._top]))
 
     def pages_for(self, size: int) -> int:
         return max(1, -(-size // self.page_size))
@@ -39,7 +51,7 @@ class PagePool:
         """Take `npages` pages, or None if fewer are free (the caller evicts and retries)."""
         if npages <= 0:
             raise ValueError("allocation must take at least one page")
-        if npages > self._top:
+        if npages > self._top or npages > self.free_pages:
             return None
         pages = self._free[self._top - npages : self._top][::-1].copy()
         self._top -= npages
@@ -48,7 +60,7 @@ class PagePool:
     def release(self, extents: Extents) -> None:
         pages = from_extents(extents)
         n = len(pages)
-        if self._top + n > self.num_pages:
+        if self._top + n > self.segment_pages:
             raise RuntimeError("page pool over-release: accounting is broken")
         self._free[self._top : self._top + n] = pages[::-1]
         self._top += n

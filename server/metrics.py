@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _BYTES_BUCKETS = tuple(float(2**p) for p in range(12, 32, 2))
+_STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0)
 
 
 class Metrics:
@@ -50,3 +51,26 @@ class Metrics:
         self.item_bytes = Histogram(
             "kvtier_chunk_bytes", "Size of stored chunks", buckets=_BYTES_BUCKETS, registry=r
         )
+        self.store_seconds = Histogram(
+            "kvtier_store_seconds", "Per stored chunk: time from reservation to commit (includes the client's copy)",
+            buckets=_STAGE_BUCKETS, registry=r,
+        )
+        self.retrieve_seconds = Histogram(
+            "kvtier_retrieve_seconds", "Per read lease: time from acquire to release (includes the client's copy)",
+            buckets=_STAGE_BUCKETS, registry=r,
+        )
+        self.l1_segment = Gauge(
+            "kvtier_l1_segment_bytes", "Size of the shared-memory segment: the most L1 can be resized to", registry=r
+        )
+        self.admin_requests = Counter(
+            "kvtier_admin_requests", "Admin HTTP requests, by route and status code", ["route", "code"], registry=r
+        )
+        self.info = Gauge("kvtier_build_info", "Always 1; the version label is the kvtier version", ["version"],
+                          registry=r)
+        # Create the children a dashboard divides by, so they read 0 before the first event.
+        self.hit_tokens.labels("l1")
+        for reason in ("no_space", "too_large"):
+            self.refused.labels(reason)
+        for reason in ("capacity", "clear", "resize", "superseded"):
+            self.evictions.labels("l1", reason)
+        self.entries.labels("l1")

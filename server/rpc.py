@@ -6,6 +6,7 @@ never raised into the serving loop.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import logging
 import time
@@ -100,6 +101,7 @@ class RequestHandler:
         self.store.client(ident)
         try:
             namespace = Namespace.from_dict(p.field(m, "namespace", dict))
+            _check_namespace_types(namespace)
         except (TypeError, ValueError) as exc:
             raise p.ProtocolError(p.BAD_REQUEST, f"bad namespace: {exc}"[:300]) from None
         return p.ok(p.request_id(m), ns=self.store.register(namespace))
@@ -168,3 +170,15 @@ class RequestHandler:
         return p.ok(p.request_id(m))
 
 
+_FIELD_TYPES = {"str": str, "int": int}
+
+
+def _check_namespace_types(namespace: Namespace) -> None:
+    """Every namespace field has its declared scalar type (a nested map would break the fingerprint)."""
+    for f in dataclasses.fields(namespace):
+        kind = _FIELD_TYPES.get(str(f.type))
+        if kind is None:
+            continue
+        value = getattr(namespace, f.name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"namespace field {f.name!r} must be {kind.__name__}")

@@ -1,0 +1,99 @@
+"""`kvtier status`: a terminal summary of a server's GET /status (stdlib only: urllib for HTTP)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=DEFAULT_URL, help=f"admin API base URL (default {DEFAULT_URL})")
+    parser.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    parser.add_argument("--timeout", type=float, default=5.0, help="HTTP timeout in seconds (default 5)")
+
+
+def run(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(url, timeout=args.timeout) as response:  # noqa: S310 - operator's URL
+            status = json.load(response)
+    except urllib.error.HTTPError as exc:
+        print(f"kvtier status: {url} answered HTTP {exc.code}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        print(f"kvtier status: cannot read {url}: {reason}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=2, sort_keys=True))
+    else:
+        print(render(status))
+    return 0
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_seconds(s: float) -> str:
+    s = int(s)
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d {hours}h {minutes}m"
+    if hours:
+        return f"{hours}h {minutes}m {s}s"
+    return f"{minutes}m {s}s" if minutes else f"{s}s"
+
+
+def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=False)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(str(c).rjust(w) if i in right else str(c).ljust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=False))).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def render(status: dict[str, Any]) -> str:
+    l1 = status.get("l1", {})
+    cap, used = l1.get("capacity_bytes", 0), l1.get("used_bytes", 0)
+    pct = f" ({100 * used / cap:.1f} %)" if cap else ""
+    out = [
+        f"kvtier {status.get('version', '?')}  up {human_seconds(status.get('uptime_s', 0))}  "
+        f"policy {status.get('policy', '?')}  log level {status.get('log_level', '?')}",
+        f"endpoints: {', '.join(status.get('endpoints', []))}",
+        "",
+        f"L1  {human_bytes(used)} used of {human_bytes(cap)}{pct}  (segment {human_bytes(l1.get('segment_bytes', 0))}, "
+        f"pages of {human_bytes(l1.get('page_size', 0))})",
+        f"    {l1.get('entries', 0)} chunks, {human_bytes(l1.get('pinned_bytes', 0))} pinned, "
+        f"{l1.get('leases', 0)} leases, {l1.get('reservations', 0)} open writes",
+        "",
+    ]
+    namespaces = status.get("namespaces", [])
+    rows = [[ns.get("fingerprint", "")[:12], str(ns.get("model", ""))[:40], str(ns.get("dtype", "")),
+             f"{ns.get('tp_rank', 0)}/{ns.get('tp_size', 1)}", str(ns.get("entries", 0)),
+             human_bytes(ns.get("bytes", 0)), human_bytes(ns.get("pinned_bytes", 0))] for ns in namespaces]
+    out.append(f"Namespaces ({len(namespaces)})")
+    if rows:
+        out.append(table(["NAMESPACE", "MODEL", "DTYPE", "TP", "CHUNKS", "BYTES", "PINNED"], rows, {4, 5, 6}))
+    clients = status.get("clients", [])
+    out += ["", f"Clients ({len(clients)})"]
+    if clients:
+        rows = [[str(c.get("instance", ""))[:48], str(c.get("pid", "")),
+                 f"{c.get('last_seen_s_ago', 0):.1f}s ago", str(c.get("leases", 0)), str(c.get("reservations", 0))]
+                for c in clients]
+        out.append(table(["INSTANCE", "PID", "LAST SEEN", "LEASES", "WRITES"], rows, {1, 2, 3, 4}))
+    return "\n".join(out)

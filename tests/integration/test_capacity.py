@@ -1,0 +1,68 @@
+"""A 64 MiB L1 takes 256 MiB of stores by evicting; with every entry leased, a store is refused (no_space)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from _support import prompt
+from kvtier.connector.client import ClientConfig, KVTierClient
+from kvtier.server.keys import Namespace, chunk_keys
+
+pytestmark = pytest.mark.integration
+
+NS = Namespace(model="org/tiny", dtype="bfloat16", num_layers=2, kv_heads=2, head_size=64, block_size=16,
+               layout="NHD", chunk_size=256)
+CHUNK_BYTES = 64 * 1024
+BATCH = 64  # chunks per store call: 4 MiB
+L1_BYTES = 64 << 20
+TOTAL_BYTES = 256 << 20
+
+
+@pytest.mark.parametrize("policy", ["lru", "lirs"])
+def test_stores_evict_within_budget_then_refuse_when_all_leased(kvtier_server, policy):
+    srv = kvtier_server(l1_gb=L1_BYTES / (1 << 30), extra=["--eviction-policy", policy])
+    c = KVTierClient(ClientConfig(url=srv.url, strict=True))
+    assert c.connect()
+    payload = np.random.default_rng(0).integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
+    capacity = c.stats()["l1_capacity_bytes"]
+    assert capacity == L1_BYTES
+    stored = 0
+    batches = TOTAL_BYTES // (BATCH * CHUNK_BYTES)
+    for b in range(batches):
+        tokens = prompt(1000 + b, BATCH * NS.chunk_size)
+        r = c.store(NS, tokens, lambda _c: CHUNK_BYTES, lambda _c, span: span.write(0, payload))
+        assert r.refused == {} and r.busy == 0 and r.existing == 0
+        assert r.stored == BATCH
+        stored += r.stored
+        s = c.stats()
+        assert s["l1_used_bytes"] <= capacity
+        assert s["reservations"] == 0
+        # The batch just stored is all there: room was made by evicting older chunks, not by dropping.
+        assert c.lookup(NS, tokens).tokens == BATCH * NS.chunk_size
+    assert stored * CHUNK_BYTES == TOTAL_BYTES
+    s = c.stats()
+    resident = s["entries"]
+    assert resident * CHUNK_BYTES <= capacity
+    assert s["evictions"] == stored - resident
+    assert s["evictions"] >= (TOTAL_BYTES - L1_BYTES) // CHUNK_BYTES
+
+    # Lease everything that is still resident, so nothing is evictable.
+    keys = [k.key for b in range(batches) for k in chunk_keys(NS, prompt(1000 + b, BATCH * NS.chunk_size))]
+    reply = c._request({"op": "acquire", "keys": keys}, NS)
+    assert sum(i is not None for i in reply["items"]) == resident
+    s = c.stats()
+    assert s["evictable_bytes"] == 0 and s["leases"] == 1
+    free = capacity - s["l1_used_bytes"]
+    n_new = free // CHUNK_BYTES + 1  # one more chunk than the free pages hold
+    tokens = prompt(5000, n_new * NS.chunk_size)
+    r = c.store(NS, tokens, lambda _c: CHUNK_BYTES, lambda _c, span: span.write(0, payload))
+    assert r.refused.get("no_space", 0) >= 1
+    assert r.stored + r.refused["no_space"] == n_new
+    assert r.stored == free // CHUNK_BYTES
+    assert c.stats()["l1_used_bytes"] <= capacity
+
+    # Releasing the lease makes the store possible again.
+    assert c._request({"op": "release", "leases": [reply["lease"]]})["released"] == 1
+    r = c.store(NS, tokens, lambda _c: CHUNK_BYTES, lambda _c, span: span.write(0, payload))
+    assert r.refused == {} and r.stored + r.existing == n_new and r.stored >= 1
+    c.close()
