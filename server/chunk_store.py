@@ -104,6 +104,9 @@ class ChunkStore:
         self.ns_usage: dict[bytes, list[int]] = {}  # fingerprint -> [entries, bytes]
         self.entries: dict[bytes, Entry] = {}
         self.index: dict[bytes, tuple[Entry, int]] = {}  # key or alias -> (entry, leading blocks)
+        # Aliases another entry also holds (a document followed by different questions): the fallback
+        # when the entry the index points to goes, so the shared leading blocks stay findable.
+        self.shadowed: dict[bytes, list[tuple[Entry, int]]] = {}
         self.pending: dict[bytes, int] = {}  # key -> reservation id
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
@@ -111,6 +114,7 @@ class ChunkStore:
         self.evictable_pages = 0
         self.pinned_pages = 0
         self._ids = itertools.count(1)
+        self.on_commit: Callable[[Entry], None] | None = None  # L2 write-behind hook (server/l2_service.py)
         metrics.l1_capacity.set(pool.num_pages * pool.page_size)
 
     # -- clients and namespaces ------------------------------------------------------------------
@@ -243,6 +247,8 @@ class ChunkStore:
             for j, alias in enumerate(item.aliases, start=1):
                 if alias not in self.index:
                     self.index[alias] = (entry, j)
+                else:
+                    self.shadowed.setdefault(alias, []).append((entry, j))
             self.policy.insert(item.key, item.size)
             self.evictable_pages += entry.pages
             usage = self.ns_usage.setdefault(res.ns, [0, 0])
@@ -251,6 +257,8 @@ class ChunkStore:
             self.metrics.stores.inc()
             self.metrics.store_bytes.inc(item.size)
             self.metrics.item_bytes.observe(item.size)
+            if self.on_commit is not None:
+                self.on_commit(entry)
             done += 1
         self._update_gauges()
         return done
@@ -376,6 +384,14 @@ class ChunkStore:
             found = self.index.get(key)
             if found is not None and found[0] is entry:
                 del self.index[key]
+            others = self.shadowed.get(key)
+            if others is None:
+                continue
+            others[:] = [o for o in others if o[0] is not entry]
+            if key not in self.index and others:
+                self.index[key] = others.pop()
+            if not others:
+                del self.shadowed[key]
         self.policy.remove(entry.key)
         if entry.evictable:
             self.evictable_pages -= entry.pages

@@ -34,6 +34,7 @@ class RequestHandler:
         self.chunk_size = chunk_size
         self.heartbeat_s = heartbeat_s
         self.metrics = store.metrics
+        self.lower_tier: Any = None  # extends lookups past L1 and adds to stats (server/l2_service.py)
         self._ops: dict[str, Handler] = {
             "hello": self._hello,
             "register": self._register,
@@ -119,7 +120,10 @@ class RequestHandler:
             for key in block_keys:
                 p.key_field(key)
         hits = self.store.lookup(fp, chunks)
-        reply = p.ok(p.request_id(m), hits=[[match, L1] for _, match in hits])
+        tiers = [L1] * len(hits)
+        if self.lower_tier is not None:
+            hits, tiers = self.lower_tier.extend_lookup(fp, chunks, hits)
+        reply = p.ok(p.request_id(m), hits=[[match, tier] for (_, match), tier in zip(hits, tiers, strict=True)])
         if p.field(m, "acquire", bool, False) and hits:
             keys = [chunks[i][match - 1] for i, (_, match) in enumerate(hits)]
             lid, items = self.store.acquire(owner, keys)
@@ -163,7 +167,8 @@ class RequestHandler:
         return p.ok(p.request_id(m), server_id=self.server_id)
 
     def _stats(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        return p.ok(p.request_id(m), server_id=self.server_id, **self.store.stats())
+        extra = self.lower_tier.stats() if self.lower_tier is not None else {}
+        return p.ok(p.request_id(m), server_id=self.server_id, **self.store.stats(), **extra)
 
     def _bye(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         self.store.drop_client(ident)

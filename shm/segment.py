@@ -50,6 +50,7 @@ class Segment:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.fchmod(fd, mode)  # exactly --shm-mode: os.open's mode is filtered by the umask
             os.ftruncate(fd, size)
             buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 from _support import prompt
@@ -26,6 +28,21 @@ def test_stores_evict_within_budget_then_refuse_when_all_leased(kvtier_server, p
     payload = np.random.default_rng(0).integers(0, 256, CHUNK_BYTES, dtype=np.uint8)
     capacity = c.stats()["l1_capacity_bytes"]
     assert capacity == L1_BYTES
+    # A second client polls the server's accounting while the stores run (also mid-batch).
+    peak = {"used": 0, "polls": 0}
+    done = threading.Event()
+
+    def poll() -> None:
+        watcher = KVTierClient(ClientConfig(url=srv.url, strict=True))
+        while not done.is_set():
+            s = watcher.stats()
+            peak["used"] = max(peak["used"], s["l1_used_bytes"])
+            peak["polls"] += 1
+            done.wait(0.005)
+        watcher.close()
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
     stored = 0
     batches = TOTAL_BYTES // (BATCH * CHUNK_BYTES)
     for b in range(batches):
@@ -39,6 +56,9 @@ def test_stores_evict_within_budget_then_refuse_when_all_leased(kvtier_server, p
         assert s["reservations"] == 0
         # The batch just stored is all there: room was made by evicting older chunks, not by dropping.
         assert c.lookup(NS, tokens).tokens == BATCH * NS.chunk_size
+    done.set()
+    poller.join(timeout=10)
+    assert peak["polls"] > batches and 0 < peak["used"] <= capacity
     assert stored * CHUNK_BYTES == TOTAL_BYTES
     s = c.stats()
     resident = s["entries"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import select
 import signal
 
 import numpy as np
@@ -42,6 +43,8 @@ def test_killed_client_holdings_are_reclaimed(kvtier_server, start_client, recla
 
     worker = start_client("hold_and_wait", url=srv.url, ns=NS.to_dict(), seed=1, n_chunks=40, reserve_seed=2,
                           n_reserve=30, chunk_bytes=CHUNK_BYTES)
+    ready, _, _ = select.select([worker.stdout], [], [], 30)
+    assert ready, "client worker did not report its holdings within 30 s"
     line = worker.stdout.readline()
     assert line, worker.stderr.read()
     held = json.loads(line)

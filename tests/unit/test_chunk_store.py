@@ -424,3 +424,22 @@ def test_full_chunk_stays_findable_by_its_aliases_after_partial_entry_is_evicted
     # A query that shares the chunk's first block, then diverges, should still hit the full chunk.
     hits = store.lookup(fp, [[block_key(7, 1), digest(b"diverged")]])
     assert [m for _, m in hits] == [1]
+
+
+def test_shared_leading_blocks_stay_findable_after_first_full_chunk_is_evicted():
+    store, fp = _store(num_pages=8)
+    a = _hello(store, b"a")
+    first = item(7, BPC, PAGE)  # document + question 1 fill the chunk
+    second = p.StoreItem(digest(b"q2"), PAGE, BPC, (block_key(7, 1), digest(b"q2/2"), digest(b"q2/3")))
+    for it in (first, second):
+        [r] = store.reserve(a, fp, [it])
+        store.commit(a, [r[1]])
+    assert store.pin([second.key]) == 1
+    for f in range(20, 30):
+        [r] = store.reserve(a, fp, [item(f, BPC, PAGE)])
+        if r[0] == p.RESERVED:
+            store.commit(a, [r[1]])
+    assert first.key not in store.entries and second.key in store.entries
+    # Document + question 3: the shared first block is resident (in `second`), so it should hit.
+    hits = store.lookup(fp, [[block_key(7, 1), digest(b"q3/2")]])
+    assert [m for _, m in hits] == [1]

@@ -1,0 +1,235 @@
+"""deploy/: the systemd unit verifies, the Kubernetes manifests pass an offline schema check, compose parses.
+
+* systemd: `systemd-analyze verify` on a copy of the unit whose ExecStart points at this checkout's
+  `kvtier` (verify insists the binary exists), and `systemd-analyze security --offline=yes` for the
+  hardening score. Skipped where systemd-analyze is missing, except in CI (CI=true), where that fails.
+* Kubernetes: `kubernetes-validate --strict` (schemas of Kubernetes 1.37 shipped in the package, no cluster
+  or network needed) plus the cross-checks below (shared host paths, uid, memory >= L1 + overhead).
+* Docker: compose.yaml parses and wires vllm into kvtier's IPC and network namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+IN_CI = os.environ.get("CI") == "true"
+if IN_CI:
+    import yaml  # PyYAML comes with kubernetes-validate (dev extra); missing in CI is an error
+else:
+    yaml = pytest.importorskip("yaml")
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+UNIT = DEPLOY / "systemd" / "kvtier.service"
+ENV_FILE = DEPLOY / "systemd" / "kvtier.env"
+K8S = DEPLOY / "kubernetes"
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    if path is None:
+        if IN_CI:
+            pytest.fail(f"{name} is missing in CI: install it (see the report / scripts/test.sh)")
+        pytest.skip(f"{name} not installed")
+    return path
+
+
+def _unit_values(text: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([A-Za-z]+)=(.*)$", line)
+        if m:
+            out.setdefault(m.group(1), []).append(m.group(2))
+    return out
+
+
+# --------------------------------------------------------------------------- systemd
+
+
+def _verifiable_unit(tmp_path: Path) -> Path:
+    kvtier = Path(sys.executable).parent / "kvtier"
+    assert kvtier.exists(), kvtier
+    text = UNIT.read_text().replace("/opt/kvtier/venv/bin/kvtier", str(kvtier))
+    unit = tmp_path / "kvtier.service"
+    unit.write_text(text)
+    return unit
+
+
+def test_systemd_analyze_verify(tmp_path):
+    tool = _tool("systemd-analyze")
+    unit = _verifiable_unit(tmp_path)
+    r = subprocess.run([tool, "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "kvtier.service" not in r.stderr, r.stdout + r.stderr
+
+
+def test_systemd_hardening_score(tmp_path):
+    tool = _tool("systemd-analyze")
+    unit = _verifiable_unit(tmp_path)
+    r = subprocess.run([tool, "security", "--offline=yes", "--threshold=30", str(unit)], capture_output=True,
+                       text=True, timeout=60)
+    if "--offline" in r.stderr and "unrecognized" in r.stderr:  # systemd < 250
+        pytest.skip("systemd-analyze security --offline unsupported")
+    m = re.search(r"Overall exposure level for kvtier\.service: ([\d.]+)", r.stdout)
+    assert m, r.stdout + r.stderr
+    assert float(m.group(1)) <= 3.0, r.stdout
+
+
+def test_unit_settings():
+    v = _unit_values(UNIT.read_text())
+    for key, value in {"NoNewPrivileges": "yes", "ProtectSystem": "strict", "ProtectHome": "yes",
+                       "PrivateDevices": "no", "User": "kvtier", "RemoveIPC": "no"}.items():
+        assert v.get(key) == [value], key
+    assert "DynamicUser" not in v  # a dynamic uid cannot be shared with vLLM
+    assert "/dev/shm" in v["ReadWritePaths"][0]
+    assert "PrivateIPC" not in v or v["PrivateIPC"] == ["no"]
+    assert v["EnvironmentFile"] == ["/etc/kvtier/kvtier.env"]
+    # MemoryMax covers L1 plus at least 512 MiB of headroom.
+    env = dict(line.split("=", 1) for line in ENV_FILE.read_text().splitlines() if line and not line.startswith("#"))
+    l1_gib = float(env["KVTIER_L1_SIZE_GB"])
+    mem = v["MemoryMax"][0]
+    assert mem.endswith("G"), mem
+    assert float(mem[:-1]) >= l1_gib + 0.5
+
+
+def test_env_file_names_real_settings():
+    import dataclasses
+
+    from kvtier.server.config import ServerConfig, env_name, from_args
+
+    known = {env_name(f.name) for f in dataclasses.fields(ServerConfig)}
+    names = re.findall(r"^#?(KVTIER_[A-Z0-9_]+)=", ENV_FILE.read_text(), re.M)
+    assert names and set(names) <= known, set(names) - known
+    env = dict(line.split("=", 1) for line in ENV_FILE.read_text().splitlines() if line and not line.startswith("#"))
+
+    class Args:
+        config = None
+
+    from_args(Args(), env).validate()  # the shipped environment is a valid configuration
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+
+def _k8s_docs() -> list[dict]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
+    return docs
+
+
+def _by_kind(kind: str) -> list[dict]:
+    return [d for d in _k8s_docs() if d["kind"] == kind]
+
+
+def test_kubernetes_schema(tmp_path):
+    tool = _tool("kubernetes-validate")
+    files = sorted(str(p) for p in K8S.glob("*.yaml"))
+    assert len(files) >= 3
+    r = subprocess.run([tool, "--strict", *files], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("passed") == len(_k8s_docs()), r.stdout
+    # The check is real: an unknown field fails.
+    bad = tmp_path / "bad.yaml"
+    ds = _by_kind("DaemonSet")[0]
+    ds["spec"]["template"]["spec"]["containers"][0]["memoryLimit"] = "1Gi"
+    bad.write_text(yaml.safe_dump(ds))
+    r = subprocess.run([tool, "--strict", str(bad)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0, r.stdout
+
+
+def _mem_gib(q: str) -> float:
+    units = {"Gi": 1.0, "Mi": 1 / 1024, "G": 1e9 / 2**30, "M": 1e6 / 2**30}
+    for suffix, factor in units.items():
+        if q.endswith(suffix):
+            return float(q[: -len(suffix)]) * factor
+    raise AssertionError(q)
+
+
+def _env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def test_kubernetes_wiring():
+    (ds,) = _by_kind("DaemonSet")
+    (deploy,) = _by_kind("Deployment")
+    ds_spec, vllm_spec = ds["spec"]["template"]["spec"], deploy["spec"]["template"]["spec"]
+    kvtier = next(c for c in ds_spec["containers"] if c["name"] == "kvtier")
+    vllm = vllm_spec["containers"][0]
+    env = _env(kvtier)
+    l1 = float(env["KVTIER_L1_SIZE_GB"])
+
+    def host_mounts(spec: dict, container: dict) -> dict[str, str]:
+        paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+        return {m["mountPath"]: paths[m["name"]] for m in container["volumeMounts"] if m["name"] in paths}
+
+    kv_mounts, vllm_mounts = host_mounts(ds_spec, kvtier), host_mounts(vllm_spec, vllm)
+    assert kv_mounts["/dev/shm"] == vllm_mounts["/dev/shm"]  # the L1 segment
+    sock_dir = os.path.dirname(env["KVTIER_IPC_PATH"])
+    assert kv_mounts[sock_dir] == vllm_mounts[sock_dir]  # the ipc:// socket
+    cfg = json.loads(next(a.split("=", 1)[1] for a in vllm["args"] if a.startswith("--kv-transfer-config=")))
+    assert cfg["kv_connector"] == "KVTierConnector" and cfg["kv_connector_module_path"] == "kvtier.connector.vllm"
+    assert cfg["kv_connector_extra_config"]["kvtier.url"] == "ipc://" + env["KVTIER_IPC_PATH"]
+    # Same uid on both sides (owner-only segment and socket).
+    assert kvtier["securityContext"]["runAsUser"] == vllm_spec["securityContext"]["runAsUser"]
+    # A non-loopback admin API has a token, and vLLM presents the same Secret.
+    assert env["KVTIER_HTTP_HOST"] == "0.0.0.0"
+    token_refs = [e["valueFrom"]["secretKeyRef"]["name"] for c in (kvtier, vllm) for e in c["env"]
+                  if e["name"] == "KVTIER_ADMIN_TOKEN"]
+    assert len(token_refs) == 2 and len(set(token_refs)) == 1
+    assert any(s["metadata"]["name"] == token_refs[0] for s in _by_kind("Secret"))
+    # Memory: kvtier >= L1 + overhead; vLLM >= L1 + its own memory (it writes the L1 pages it stores).
+    for c, floor in ((kvtier, l1 + 0.5), (vllm, l1 + 4)):
+        res = c["resources"]
+        assert _mem_gib(res["requests"]["memory"]) >= floor, c["name"]
+        assert _mem_gib(res["limits"]["memory"]) >= _mem_gib(res["requests"]["memory"]), c["name"]
+    assert ds_spec["nodeSelector"] == vllm_spec["nodeSelector"]
+    assert ds["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == env["KVTIER_HTTP_PORT"]
+
+
+# --------------------------------------------------------------------------- Docker
+
+
+def test_compose_wiring():
+    compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"kvtier", "vllm"}
+    kv, vllm = services["kvtier"], services["vllm"]
+    assert kv["build"]["dockerfile"] == "deploy/docker/Dockerfile"
+    assert (DEPLOY / "docker" / Path(vllm["build"]["dockerfile"]).name).exists()
+    assert kv["ipc"] == "shareable"
+    assert vllm["ipc"] == "service:kvtier" and vllm["network_mode"] == "service:kvtier"
+    assert "ports" not in vllm  # published on kvtier, whose network namespace vllm uses
+    assert vllm["depends_on"]["kvtier"]["condition"] == "service_healthy"
+    l1 = float(kv["environment"]["KVTIER_L1_SIZE_GB"])
+    assert float(kv["shm_size"].rstrip("gb")) > l1  # Docker's default /dev/shm is 64 MiB
+    assert kv["environment"]["KVTIER_HOST"] == "127.0.0.1"
+    cfg_arg = next(a for a in vllm["command"] if a.startswith("--kv-transfer-config="))
+    cfg = json.loads(cfg_arg.split("=", 1)[1])
+    assert cfg["kv_connector_extra_config"]["kvtier.url"] == f"tcp://127.0.0.1:{kv['environment']['KVTIER_PORT']}"
+
+
+def test_dockerfile():
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    assert text.startswith("#") and "FROM python:3.11-slim" in text
+    assert re.search(r"^USER 10001", text, re.M)
+    assert 'ENTRYPOINT ["kvtier", "server"]' in text
+    for folder in ("server", "connector", "shm", "admin_api"):  # every package-dir of pyproject.toml
+        assert f"COPY {folder} /src/{folder}" in text
+
+
+def test_prometheus_config():
+    cfg = yaml.safe_load((DEPLOY / "observability" / "prometheus.yml").read_text())
+    jobs = {j["job_name"]: j for j in cfg["scrape_configs"]}
+    assert jobs["kvtier"]["metrics_path"] == "/metrics"
+    assert jobs["kvtier"]["static_configs"][0]["targets"] == ["127.0.0.1:8080"]
+    assert "kvtier-kubernetes" in jobs
