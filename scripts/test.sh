@@ -5,6 +5,10 @@ set -euo pipefail
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$repo"
 py="$(bash scripts/dev_env.sh | tail -n 1)"
+# systemd-analyze checks the shipped unit (tests/unit/test_deploy.py).
+if ! command -v systemd-analyze >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd >/dev/null
+fi
 "$py" -m ruff check .
 if [ "$#" -gt 0 ]; then
   exec "$py" -m pytest "$@"

@@ -23,8 +23,12 @@ def help_flags() -> set[str]:
         [sys.executable, "-m", "kvtier.server.cli", "server", "--help"],
         capture_output=True, text=True, check=True, cwd=REPO, env={**os.environ, "COLUMNS": "200"},
     ).stdout
-    # Flags start an option line of argparse's "options:" section (e.g. "  --port PORT  ...").
-    return {m.group(1) for m in re.finditer(r"^\s+(?:-\w, )?(--[a-z][a-z0-9-]*)", out, re.M)} - {"--help"}
+    # An option line of argparse's "options:" section starts with two spaces and its flags, then two spaces
+    # and the help: "  --port PORT  ...", "  --l2-odirect, --no-l2-odirect  ...".
+    flags = set()
+    for m in re.finditer(r"^  (-\S.*?)(?:\s{2,}|$)", out, re.M):
+        flags.update(FLAG.findall(m.group(1)))
+    return flags - {"--help"}
 
 
 def doc_flags(text: str) -> set[str]:
@@ -52,7 +56,7 @@ def test_doc_flags_match_help():
 def test_every_field_has_env_and_toml_key():
     text = DOC.read_text()
     for f in config_doc.fields():
-        assert f"`KVTIER_{f.name.upper()}`" in text
+        assert f"`KVTIER_{f.name.upper()}`" in text, f.name
         assert f"`{f.name}`" in text
         assert f.metadata["help"] in text
 
