@@ -39,6 +39,14 @@ class ServerConfig:
     http_port: int = _opt(8080, "admin HTTP port (0 disables the admin API)")
     admin_token: str = _opt("", "bearer token for the admin API and non-loopback binds", secret=True)
     log_level: str = _opt("info", "log level", choices=["debug", "info", "warning", "error"])
+    l2_path: str = _opt("", "directory of the L2 filesystem tier (empty: no L2)")
+    l2_size_gb: float = _opt(10.0, "L2 capacity in GiB (chunk files, headers included)")
+    l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (accepted; writes are buffered for now)")
+    l2_queue_depth: int = _opt(1024, "chunks the L2 write-behind queue holds before L2 copies are dropped")
+
+    @property
+    def l2_bytes(self) -> int:
+        return int(self.l2_size_gb * (1 << 30))
 
     @property
     def l1_bytes(self) -> int:
@@ -78,6 +86,8 @@ class ServerConfig:
                 f"--http-host {self.http_host} is not loopback: set --admin-token (or KVTIER_ADMIN_TOKEN) first"
             )
         int(self.shm_mode, 8)
+        if self.l2_path and (self.l2_bytes <= 0 or self.l2_queue_depth <= 0):
+            raise ValueError("--l2-size-gb and --l2-queue-depth must be positive when --l2-path is set")
 
 
 def env_name(name: str) -> str:
@@ -92,6 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file with any of the keys below (underscored names)")
     for f in dataclasses.fields(ServerConfig):
         kind = type(f.default)
+        if kind is bool:
+            parser.add_argument(
+                flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                help=f"{f.metadata['help']} (env {env_name(f.name)}=0/1, default {f.default!r})",
+            )
+            continue
         parser.add_argument(
             flag_name(f.name),
             dest=f.name,
@@ -112,7 +128,8 @@ def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -
         kind = type(f.default)
         if env_name(f.name) in environ:
             try:
-                values[f.name] = kind(environ[env_name(f.name)])
+                values[f.name] = (_bool(environ[env_name(f.name)]) if kind is bool
+                                  else kind(environ[env_name(f.name)]))
             except ValueError as exc:
                 raise ValueError(f"{env_name(f.name)}: {exc}") from None
         if getattr(args, f.name, None) is not None:
@@ -120,6 +137,15 @@ def from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -
     config = ServerConfig(**values)
     config.validate()
     return config
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {text!r} (use 0/1)")
 
 
 def _checked_file(data: dict[str, Any]) -> dict[str, Any]:

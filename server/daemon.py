@@ -55,8 +55,26 @@ class Daemon:
             self.store, segment_info, config.chunk_size, heartbeat_s=config.client_timeout_s / 3,
             token=config.admin_token,
         )
+        self.l2 = self._open_l2(config)
+        self.handler.lower_tier = self.l2
         self._stop = asyncio.Event()
         self._signals = 0
+
+    def _open_l2(self, config: ServerConfig):  # noqa: ANN202 - L2Service | None, imported lazily
+        if not config.l2_path:
+            return None
+        from kvtier.server.l2_service import L2Service
+
+        try:
+            l2 = L2Service.filesystem(self.store, self.segment.array(), config.l2_path, config.l2_bytes,
+                                      config.l2_queue_depth, self.metrics, config.l2_odirect)
+            l2.open()  # the index scan runs before the server reports ready
+        except BaseException:
+            self.segment.close()
+            raise
+        log.info("L2 at %s: %d chunks, %.2f of %.2f GiB", config.l2_path, l2.tier.entries,
+                 l2.tier.used_bytes / (1 << 30), config.l2_size_gb)
+        return l2
 
     async def serve(self) -> None:
         ctx = zmq.asyncio.Context()
@@ -65,6 +83,8 @@ class Daemon:
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         loop = asyncio.get_running_loop()
+        if self.l2 is not None:
+            self.l2.attach_loop(loop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
@@ -88,6 +108,8 @@ class Daemon:
             sweeper.cancel()
             for service in reversed(services):
                 await service.stop()
+            if self.l2 is not None:
+                self.l2.close()
         finally:
             sock.close(0)
             ctx.term()

@@ -242,3 +242,24 @@ def test_l2_config_flags():
     with pytest.raises(ValueError):
         from_args(parser.parse_args([]), environ={"KVTIER_L2_ODIRECT": "maybe"})
     assert ServerConfig().l2_path == ""
+
+
+def test_l2_metrics_are_exported(tmp_path):
+    from prometheus_client import generate_latest
+
+    store, segment, metrics = make_store()
+    l2 = L2Service.filesystem(store, segment, str(tmp_path), 10 * meta(0).file_bytes, 1, metrics)
+    l2.open()
+    l2.writer.stop()
+    l2.writer._stopping = False
+    fp = store.register(NS)
+    put_chunks(store, segment, fp, chunk_keys(NS, list(range(2 * 256))), 2000)  # queue of 1: one dropped
+    assert l2.stats()["l2_dropped_writes"] == 1 and store.evictable_pages == 2  # the dropped one is free
+    l2.writer.run_pending()
+    text = generate_latest(metrics.registry).decode()
+    for name in ("kvtier_l2_used_bytes", "kvtier_l2_capacity_bytes", "kvtier_l2_queue_depth",
+                 "kvtier_l2_dropped_writes_total 1.0", "kvtier_l2_corrupt_chunks_total 0.0",
+                 'kvtier_hit_tokens_total{tier="l2"}', 'kvtier_evictions_total{reason="capacity",tier="l2"}',
+                 'kvtier_entries{tier="l2"} 1.0'):
+        assert name in text, name
+    assert metrics.registry.get_sample_value("kvtier_l2_capacity_bytes") == 10 * meta(0).file_bytes

@@ -116,7 +116,6 @@ def test_l2_crash_loop_never_serves_wrong_bytes(kvtier_server, tmp_path):
         assert s["l2_entries"] == len(files), "index and files on disk disagree"
         assert s["l2_used_bytes"] == sum(files.values())
         assert not [n for n in os.listdir(l2) if ".tmp-" in n], "leftover temp files after the scan"
-        print("round", round_, "l2 entries", s["l2_entries"], "stored chunks", 30 * len(stored))
         c.close()
         # Heavy L2 writes, SIGKILL at a random moment while they are queued or being written.
         tokens = [prompt(1000 * round_ + i, 30 * NS.chunk_size) for i in range(2)]

@@ -1,0 +1,272 @@
+"""Lower-tier adapters: the `TierAdapter` interface (a remote Redis tier implements it later) and the
+filesystem L2 tier: one file per chunk (see l2_format), an in-memory index rebuilt by a start-up scan of
+names and headers, its own byte budget and LRU eviction.
+
+Thread safety: the write-behind worker calls `put`/`sync`; the serving loop calls `find`/`get`/`remove`.
+Every index mutation holds `self._lock`; file I/O of `put`/`get` runs outside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvtier.server import l2_format as fmt
+from kvtier.server.l2_format import ChunkMeta, CorruptChunk, unlink_quiet
+
+log = logging.getLogger("kvtier.server.l2")
+
+SCAN_PROGRESS_EVERY = 10_000
+SYNC_BATCH = 64
+
+
+class TierAdapter(ABC):
+    """A chunk store below L1, keyed by chunk key; values are (metadata, payload bytes)."""
+
+    name: str
+
+    @abstractmethod
+    def put(self, meta: ChunkMeta, payload) -> bool:
+        """Store a chunk (False when it exists or cannot fit). May evict older chunks."""
+
+    @abstractmethod
+    def get(self, meta: ChunkMeta, bufs: Sequence[memoryview]) -> bool:
+        """Read a chunk's verified payload into `bufs`; False (and the chunk dropped) if missing or corrupt."""
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool: ...
+
+    @abstractmethod
+    def find(self, block_keys: Sequence[bytes]) -> tuple[ChunkMeta, int] | None:
+        """The stored chunk holding the longest leading run of `block_keys`, and that run's length."""
+
+    @abstractmethod
+    def remove(self, key: bytes, reason: str = "removed") -> bool: ...
+
+    @abstractmethod
+    def scan(self) -> int:
+        """Rebuild the index from what the tier holds; returns the chunks found."""
+
+    def sync(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """Make completed puts durable (no-op where puts are durable already)."""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def entries(self) -> int: ...
+
+
+class FsTier(TierAdapter):
+    name = "l2"
+
+    def __init__(
+        self, path: str, capacity_bytes: int, odirect: bool = False,
+        on_evict: Callable[[str], None] | None = None, on_corrupt: Callable[[], None] | None = None,
+        progress_every: int = SCAN_PROGRESS_EVERY,
+    ) -> None:
+        self.path = os.path.abspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        self._capacity = int(capacity_bytes)
+        self.odirect = odirect
+        self._on_evict = on_evict or (lambda _r: None)
+        self._on_corrupt = on_corrupt or (lambda: None)
+        self.progress_every = progress_every
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, ChunkMeta] = OrderedDict()  # LRU order: oldest first
+        self._keys: dict[bytes, tuple[bytes, int]] = {}  # chunk key or alias -> (chunk key, leading blocks)
+        self._used = 0  # bytes of indexed files plus the file being written
+        self._unsynced = 0
+        self.written = 0  # chunks whose file and rename are durable (directory fsynced)
+        self.corrupt = 0
+        self.evicted = 0
+        self.temp_removed = 0
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def entries(self) -> int:
+        return len(self._index)
+
+    def _file(self, key: bytes) -> str:
+        return os.path.join(self.path, fmt.file_name(key))
+
+    def _index_add(self, meta: ChunkMeta) -> None:
+        self._index[meta.key] = meta
+        self._keys[meta.key] = (meta.key, meta.blocks)
+        for j, alias in enumerate(meta.aliases, start=1):
+            self._keys.setdefault(alias, (meta.key, j))
+
+    def _index_drop(self, key: bytes) -> ChunkMeta | None:
+        meta = self._index.pop(key, None)
+        if meta is None:
+            return None
+        for k in (meta.key, *meta.aliases):
+            found = self._keys.get(k)
+            if found is not None and found[0] == key:
+                del self._keys[k]
+        self._used -= meta.file_bytes
+        return meta
+
+    def _evict_one_locked(self, reason: str) -> bool:
+        if not self._index:
+            return False
+        key = next(iter(self._index))
+        self._index_drop(key)
+        unlink_quiet(self._file(key))
+        self.evicted += 1
+        self._on_evict(reason)
+        return True
+
+    # -- adapter ---------------------------------------------------------------------------------
+
+    def put(self, meta: ChunkMeta, payload) -> bool:
+        need = meta.file_bytes
+        with self._lock:
+            if meta.key in self._index:
+                self._index.move_to_end(meta.key)
+                return False
+            if need > self._capacity:
+                return False
+            while self._used + need > self._capacity and self._evict_one_locked("capacity"):
+                pass
+            self._used += need  # reserved before the write, so disk use never exceeds the budget
+        try:
+            fmt.write_file(self.path, meta, payload, self.odirect)
+        except OSError:
+            log.exception("L2 write of %s failed", meta.key.hex())
+            with self._lock:
+                self._used -= need
+            return False
+        with self._lock:
+            self._index_add(meta)
+            self._unsynced += 1
+        if self._unsynced >= SYNC_BATCH:
+            self.sync()
+        return True
+
+    def sync(self) -> None:
+        if not self._unsynced:
+            return
+        n = self._unsynced
+        fmt.fsync_dir(self.path)
+        with self._lock:
+            self._unsynced -= n
+            self.written += n
+
+    def contains(self, key: bytes) -> bool:
+        return key in self._index
+
+    def find(self, block_keys: Sequence[bytes]) -> tuple[ChunkMeta, int] | None:
+        with self._lock:
+            for j in range(len(block_keys), 0, -1):
+                found = self._keys.get(block_keys[j - 1])
+                if found is not None:
+                    meta = self._index.get(found[0])
+                    if meta is not None:
+                        return meta, found[1]
+        return None
+
+    def get(self, meta: ChunkMeta, bufs: Sequence[memoryview]) -> bool:
+        with self._lock:
+            if self._index.get(meta.key) != meta:
+                return False
+            self._index.move_to_end(meta.key)
+        try:
+            fmt.read_payload(self._file(meta.key), meta, list(bufs))
+        except FileNotFoundError:
+            self.remove(meta.key, "missing")
+            return False
+        except (CorruptChunk, OSError) as exc:
+            log.warning("L2 chunk %s is corrupt (%s): removed", meta.key.hex(), exc)
+            self._drop_corrupt(meta.key)
+            return False
+        return True
+
+    def _drop_corrupt(self, key: bytes) -> None:
+        with self._lock:
+            self._index_drop(key)
+        unlink_quiet(self._file(key))
+        self.corrupt += 1
+        self._on_corrupt()
+
+    def remove(self, key: bytes, reason: str = "removed") -> bool:
+        with self._lock:
+            meta = self._index_drop(key)
+        if meta is None:
+            return False
+        unlink_quiet(self._file(key))
+        self._on_evict(reason)
+        return True
+
+    # -- start-up scan ---------------------------------------------------------------------------
+
+    def scan(self) -> int:
+        """Index every well-formed chunk file by name and header (no payload reads).
+
+        kvtier's own temp files are removed; kvtier-named regular files whose header does not verify
+        are counted corrupt and removed; anything else (foreign names, directories, symlinks) is left
+        alone and never counted.
+        """
+        found: list[tuple[float, ChunkMeta]] = []
+        seen = 0
+        with os.scandir(self.path) as it:
+            for dent in it:
+                seen += 1
+                if seen % self.progress_every == 0:
+                    log.info("L2 scan of %s: %d files seen, %d chunks indexed", self.path, seen, len(found))
+                name = dent.name
+                try:
+                    if not dent.is_file(follow_symlinks=False):
+                        continue  # directories, symlinks, sockets: not ours
+                except OSError:
+                    continue
+                if fmt.TEMP_RE.match(name):
+                    unlink_quiet(dent.path)
+                    self.temp_removed += 1
+                    continue
+                if not fmt.NAME_RE.match(name):
+                    continue
+                try:
+                    meta = fmt.read_meta(dent.path)
+                    mtime = dent.stat(follow_symlinks=False).st_mtime
+                except (CorruptChunk, OSError) as exc:
+                    log.warning("L2 file %s is corrupt (%s): removed", name, exc)
+                    unlink_quiet(dent.path)
+                    self.corrupt += 1
+                    self._on_corrupt()
+                    continue
+                found.append((mtime, meta))
+        found.sort(key=lambda t: t[0])
+        with self._lock:
+            self._index.clear()
+            self._keys.clear()
+            self._used = 0
+            for _, meta in found:
+                self._index_add(meta)
+                self._used += meta.file_bytes
+            while self._used > self._capacity and self._evict_one_locked("capacity"):
+                pass
+        log.info(
+            "L2 scan of %s done: %d files seen, %d chunks (%d bytes) indexed, %d corrupt, %d temp files removed",
+            self.path, seen, len(self._index), self._used, self.corrupt, self.temp_removed,
+        )
+        return len(self._index)
