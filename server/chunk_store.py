@@ -240,20 +240,7 @@ class ChunkStore:
             self._finish_reservation(res)
             self.metrics.store_seconds.observe(max(0.0, self.clock() - res.deadline + self.reservation_ttl_s))
             item = res.item
-            entry = Entry(item.key, res.ns, item.size, item.blocks, res.extents, item.aliases)
-            self.entries[item.key] = entry
-            self.index[item.key] = (entry, item.blocks)
-            self._supersede_partials(item.aliases)
-            for j, alias in enumerate(item.aliases, start=1):
-                if alias not in self.index:
-                    self.index[alias] = (entry, j)
-                else:
-                    self.shadowed.setdefault(alias, []).append((entry, j))
-            self.policy.insert(item.key, item.size)
-            self.evictable_pages += entry.pages
-            usage = self.ns_usage.setdefault(res.ns, [0, 0])
-            usage[0] += 1
-            usage[1] += item.size
+            entry = self.insert(Entry(item.key, res.ns, item.size, item.blocks, res.extents, item.aliases))
             self.metrics.stores.inc()
             self.metrics.store_bytes.inc(item.size)
             self.metrics.item_bytes.observe(item.size)
@@ -262,6 +249,23 @@ class ChunkStore:
             done += 1
         self._update_gauges()
         return done
+
+    def insert(self, entry: Entry) -> Entry:
+        """Make a chunk whose bytes are already in its pages visible: a commit, or a promotion from L2."""
+        self.entries[entry.key] = entry
+        self.index[entry.key] = (entry, entry.blocks)
+        self._supersede_partials(entry.aliases)
+        for j, alias in enumerate(entry.aliases, start=1):
+            if alias not in self.index:
+                self.index[alias] = (entry, j)
+            else:
+                self.shadowed.setdefault(alias, []).append((entry, j))
+        self.policy.insert(entry.key, entry.size)
+        self.evictable_pages += entry.pages
+        usage = self.ns_usage.setdefault(entry.ns, [0, 0])
+        usage[0] += 1
+        usage[1] += entry.size
+        return entry
 
     def _supersede_partials(self, aliases: tuple[bytes, ...]) -> None:
         """Drop stored partial chunks that are leading blocks of a chunk being committed: the same key

@@ -185,24 +185,7 @@ class L2Service:
         if not ok:
             pool.release(extents)
             return None
-        entry = Entry(meta.key, meta.ns, meta.size, meta.blocks, extents, meta.aliases)
-        # The same bookkeeping as ChunkStore.commit, without queueing the chunk back to L2.
-        store.entries[meta.key] = entry
-        store.index[meta.key] = (entry, meta.blocks)
-        supersede = getattr(store, "_supersede_partials", None)
-        if supersede is not None:
-            supersede(meta.aliases)
-        shadowed = getattr(store, "shadowed", None)  # leading-block keys another entry holds now
-        for j, alias in enumerate(meta.aliases, start=1):
-            if alias not in store.index:
-                store.index[alias] = (entry, j)
-            elif shadowed is not None:
-                shadowed.setdefault(alias, []).append((entry, j))
-        store.policy.insert(meta.key, meta.size)
-        store.evictable_pages += entry.pages
-        usage = store.ns_usage.setdefault(meta.ns, [0, 0])
-        usage[0] += 1
-        usage[1] += meta.size
+        entry = store.insert(Entry(meta.key, meta.ns, meta.size, meta.blocks, extents, meta.aliases))
         self.promoted += 1
         self.m.promoted.inc()
         return entry
