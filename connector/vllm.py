@@ -87,12 +87,13 @@ class LoadSpec:
 
 @dataclass
 class SaveSpec:
-    """Store the whole blocks of a completed prompt."""
+    """Store the whole blocks of a completed prompt, from chunk `skip_chunks` on."""
 
     req_id: str
     token_ids: list[int]
     block_ids: list[int]
     salt: str
+    skip_chunks: int = 0
 
 
 @dataclass
@@ -207,9 +208,14 @@ class KVTierConnector(KVConnectorBase_V1):
             return
         tracked.saved = True
         whole = len(tracked.prompt) // self.block_size
-        if whole and len(tracked.block_ids) >= whole:
+        # Chunks kvtier just served, or that vLLM's own cache held (this instance computed and offered
+        # them before), are not offered again: that saves a store round trip on every cache hit, at the
+        # price of not re-offering a prefix kvtier has evicted while vLLM still caches it.
+        chunk = self.options.chunk_size
+        skip = max(tracked.hit_tokens, tracked.local_tokens) // chunk
+        if whole and len(tracked.block_ids) >= whole and skip * chunk < whole * self.block_size:
             meta.saves.append(SaveSpec(req_id, tracked.prompt[: whole * self.block_size],
-                                       tracked.block_ids[:whole], tracked.salt))
+                                       tracked.block_ids[:whole], tracked.salt, skip))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._requests.pop(request.request_id, None)
@@ -285,7 +291,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
             try:
                 self.client.store(self.namespace(spec.salt), np.asarray(spec.token_ids),
-                                  lambda c: kv.chunk_bytes(len(c.block_keys)), write)
+                                  lambda c: kv.chunk_bytes(len(c.block_keys)), write, skip_chunks=spec.skip_chunks)
             except Exception:  # a failed store is only a future miss
                 log.exception("kvtier store failed for request %s", spec.req_id)
 

@@ -40,7 +40,9 @@ class L2Metrics:
         self.queue_depth = Gauge("kvtier_l2_queue_depth", "Chunks waiting in the L2 write-behind queue", registry=r)
         self.dropped = Counter("kvtier_l2_dropped_writes", "L2 copies dropped because the queue was full", registry=r)
         self.corrupt = Counter("kvtier_l2_corrupt_chunks", "L2 chunk files found corrupt and removed", registry=r)
-        self.written = Counter("kvtier_l2_writes", "Chunks written to L2", registry=r)
+        self.written = Gauge(
+            "kvtier_l2_written_chunks", "Chunks whose L2 file is durable, since the server started", registry=r
+        )
         self.promoted = Counter("kvtier_l2_promotions", "L2 chunks promoted to L1 by lookups", registry=r)
 
 
@@ -60,6 +62,7 @@ class L2Service:
         self.m.used.set_function(lambda: self.tier.used_bytes)
         self.m.capacity.set_function(lambda: self.tier.capacity_bytes)
         self.m.queue_depth.set_function(lambda: self.writer.queue_depth)
+        self.m.written.set_function(lambda: getattr(self.tier, "written", 0))
         metrics.entries.labels(L2).set_function(lambda: self.tier.entries)
         metrics.hit_tokens.labels(L2)
         metrics.evictions.labels(L2, "capacity")

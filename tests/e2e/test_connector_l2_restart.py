@@ -1,0 +1,125 @@
+"""End to end: vLLM (CPU) + kvtier with the L2 filesystem tier. A 2,000-token prompt is served and written
+behind to L2; once the L2 queue is drained, kvtier is SIGKILLed (its L1, in shared memory, is gone with the
+process as far as the new server is concerned) and restarted on the same port and L2 directory. After
+vLLM's own prefix cache is reset, the same prompt is loaded from kvtier again -- every whole block, promoted
+from L2 during the lookup -- with output identical to vLLM's own prefix-cache reuse of the same blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import harness
+import pytest
+from kvtier.connector.client import ClientConfig, KVTierClient
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 128
+L1_GB = 0.5
+PROMPT_LEN = 2000
+FULL_RELOAD = (PROMPT_LEN - 1) // BLOCK * BLOCK  # 1920
+RETRY_BACKOFF_S = 0.2
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+
+
+def kvtier_config(port: int) -> dict:
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "kvtier.url": f"tcp://127.0.0.1:{port}",
+            "kvtier.retry_backoff_s": RETRY_BACKOFF_S,
+        },
+    }
+
+
+def serve(port: int, prompt: list[int], max_tokens: int = 16, reset: bool = False) -> tuple[list[int], dict]:
+    """Greedy completion; returns (output ids, per-source prompt token deltas from vLLM's /metrics)."""
+    if reset:
+        harness.reset_prefix_cache(port)
+    m0 = harness.metrics(port)
+    out, _ = harness.complete(port, prompt, max_tokens)
+    m1 = harness.metrics(port)
+    assert isinstance(out, list) and len(out) == max_tokens, out
+    delta = {s: harness.metric(m1, BY_SOURCE, source=s) - harness.metric(m0, BY_SOURCE, source=s)
+             for s in ("external_kv_transfer", "local_cache_hit", "local_compute")}
+    return out, delta
+
+
+def kv_metrics(http_port: int) -> dict:
+    return harness.parse_metrics(harness.metrics_text(http_port))
+
+
+def kv_stats(kv_port: int) -> dict:
+    c = KVTierClient(ClientConfig(url=f"tcp://127.0.0.1:{kv_port}", strict=True, request_timeout_s=10.0))
+    try:
+        assert c.connect()
+        s = c.stats()
+        assert s is not None
+        return s
+    finally:
+        c.close()
+
+
+def wait_drained(kv_port: int, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = kv_stats(kv_port)
+        if s.get("l2_inflight") == 0 and s.get("l2_written", 0) > 0:
+            return s
+        assert time.monotonic() < deadline, f"L2 writes not drained after {timeout} s: {s}"
+        time.sleep(0.2)
+
+
+def test_prompt_reloads_from_l2_after_kvtier_sigkill(vllm_python, tiny_model, logdir, tmp_path):
+    l2 = tmp_path / "l2"
+    kv_port, kv_http = harness.free_port(), harness.free_port()
+    kv_args = ["--l2-path", str(l2), "--l2-size-gb", "2"]
+
+    def start_kvtier() -> harness.Proc:
+        return harness.start_kvtier(kv_port, kv_http, L1_GB, kv_args, python=vllm_python, logdir=logdir,
+                                    name=f"kvtier-{kv_port}")
+
+    kv = start_kvtier()
+    vport = harness.free_port()
+    with harness.start_vllm(tiny_model, vport, kvtier_config(kv_port), python=vllm_python, logdir=logdir,
+                            name=f"vllm-{vport}") as v:
+        harness.complete(vport, harness.prompt_ids(300, seed=99), 2)  # warm-up, unrelated prefix
+        prompt = harness.prompt_ids(PROMPT_LEN, seed=700)
+        _, cold = serve(vport, prompt)
+        assert cold["external_kv_transfer"] == 0 and cold["local_cache_hit"] == 0, cold
+        # Reference for a reload of the same whole blocks: vLLM's own prefix-cache reuse of them.
+        ref, cached = serve(vport, prompt)
+        assert cached["local_cache_hit"] == FULL_RELOAD and cached["external_kv_transfer"] == 0, cached
+
+        s = wait_drained(kv_port)
+        assert s["l2_dropped_writes"] == 0 and s["l2_entries"] > 0, s
+        assert any(p.name.endswith(".kv") for p in Path(l2).iterdir())
+        assert harness.metric(kv_metrics(kv_http), "kvtier_l2_used_bytes") > 0
+
+        kv.kill9()
+        assert not kv.alive()
+        kv = start_kvtier()  # same port, same L2 directory; takes over the stale /dev/shm segment
+        s = kv_stats(kv_port)
+        assert s["entries"] == 0 and s["l2_entries"] > 0, s  # L1 empty, L2 rescanned
+        m0 = kv_metrics(kv_http)
+
+        harness.reset_prefix_cache(vport)
+        time.sleep(4 * RETRY_BACKOFF_S)  # let the connector's backoff after its last failure pass
+        harness.complete(vport, harness.prompt_ids(300, seed=98), 2)  # throwaway request: reconnect
+        out, again = serve(vport, prompt, reset=True)
+        m1 = kv_metrics(kv_http)
+        assert again["external_kv_transfer"] >= FULL_RELOAD, (again, v.log_tail(), kv.log_tail())
+        assert again["local_cache_hit"] == 0, again
+        assert out == ref, (out, ref)
+
+        def moved(name: str, **labels: str) -> float:
+            return harness.metric(m1, name, **labels) - harness.metric(m0, name, **labels)
+
+        assert moved("kvtier_hit_tokens_total", tier="l2") >= FULL_RELOAD, (m0, m1)
+        assert moved("kvtier_l2_promotions_total") > 0
+        assert kv_stats(kv_port)["l2_corrupt_chunks"] == 0
+    kv.stop()
