@@ -16,6 +16,7 @@ client.store / client.retrieve including key hashing and the RPCs (reserve+commi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import mmap
 import os
@@ -24,7 +25,6 @@ import time
 from typing import Any
 
 import numpy as np
-
 from kvtier.connector import bench_common as bc
 
 MiB = 1 << 20
@@ -80,10 +80,8 @@ class ShmFile:
     def close(self) -> None:
         self.array = None
         for m, _ in self._fresh:
-            try:
+            with contextlib.suppress(BufferError):
                 m.close()
-            except BufferError:
-                pass
         self._fresh.clear()
         try:
             self.map.close()
