@@ -83,10 +83,8 @@ class ShmFile:
             with contextlib.suppress(BufferError):
                 m.close()
         self._fresh.clear()
-        try:
+        with contextlib.suppress(BufferError):  # a view is still referenced somewhere: leave it to the GC
             self.map.close()
-        except BufferError:  # a view is still referenced somewhere: leave it to the GC
-            pass
         os.close(self.fd)
 
 
