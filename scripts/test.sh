@@ -14,5 +14,5 @@ if [ "$#" -gt 0 ]; then
   exec "$py" -m pytest "$@"
 fi
 "$py" -m pytest -q -m "unit" tests/unit
-"$py" -m pytest -q -m "integration" tests/integration
+"$py" -m pytest -q -m "integration" tests/unit tests/integration
 "$py" -m pytest -q -m "e2e" tests/e2e
