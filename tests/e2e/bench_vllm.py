@@ -53,13 +53,6 @@ PHASES = ("cold", "local", "reload", "zipf_local")
 # --------------------------------------------------------------------------- configurations
 
 
-def kvtier_config(port: int) -> dict:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.connector.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvtier.url": f"tcp://127.0.0.1:{port}"},
-    }
 
 
 def lmcache_config(port: int) -> dict:
@@ -166,7 +159,7 @@ def run_instance(
         if config == "kvtier":
             kp, kh = harness.free_port(), harness.free_port()
             daemon = harness.start_kvtier(kp, kh, 1.0, python=vllm_py, logdir=logdir)
-            kvc, py = kvtier_config(kp), vllm_py
+            kvc, py = harness.kvtier_connector_config(kp), vllm_py
         elif config == "lmcache":
             assert lm_py is not None
             kp, kh = harness.free_port(), harness.free_port()

@@ -113,6 +113,17 @@ def default_vllm_python() -> Path:
 # --------------------------------------------------------------------------- processes
 
 
+def kvtier_connector_config(port: int, **options: object) -> dict:
+    """vLLM's --kv-transfer-config for the kvtier connector; `options` become `kvtier.<name>` keys."""
+    extra = {"kvtier.url": f"tcp://127.0.0.1:{port}", **{f"kvtier.{k}": v for k, v in options.items()}}
+    return {
+        "kv_connector": "KVTierConnector",
+        "kv_connector_module_path": "kvtier.connector.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -24,16 +24,6 @@ RETRY_BACKOFF_S = 0.2
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
-def kvtier_config(port: int) -> dict:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.connector.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "kvtier.url": f"tcp://127.0.0.1:{port}",
-            "kvtier.retry_backoff_s": RETRY_BACKOFF_S,
-        },
-    }
 
 
 def serve(port: int, prompt: list[int], max_tokens: int = 16, reset: bool = False) -> tuple[list[int], dict]:
@@ -85,7 +75,7 @@ def test_prompt_reloads_from_l2_after_kvtier_sigkill(vllm_python, tiny_model, lo
 
     kv = start_kvtier()
     vport = harness.free_port()
-    with harness.start_vllm(tiny_model, vport, kvtier_config(kv_port), python=vllm_python, logdir=logdir,
+    with harness.start_vllm(tiny_model, vport, harness.kvtier_connector_config(kv_port, retry_backoff_s=RETRY_BACKOFF_S), python=vllm_python, logdir=logdir,
                             name=f"vllm-{vport}") as v:
         harness.complete(vport, harness.prompt_ids(300, seed=99), 2)  # warm-up, unrelated prefix
         prompt = harness.prompt_ids(PROMPT_LEN, seed=700)

@@ -50,16 +50,6 @@ RETRY_BACKOFF_S = 0.25  # the connector's client backoff after a failure (defaul
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
-def kvtier_config(port: int) -> dict:
-    return {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_module_path": "kvtier.connector.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "kvtier.url": f"tcp://127.0.0.1:{port}",
-            "kvtier.retry_backoff_s": RETRY_BACKOFF_S,
-        },
-    }
 
 
 def source_tokens(m: dict, source: str) -> float:
@@ -133,7 +123,7 @@ class Cluster:
     def start_vllm(self, model: Path | None = None, extra_args: tuple[str, ...] = (), name: str = "vllm"
                    ) -> harness.Proc:
         port = harness.free_port()
-        return harness.start_vllm(model or self.model, port, kvtier_config(self.kv_port), python=self.python,
+        return harness.start_vllm(model or self.model, port, harness.kvtier_connector_config(self.kv_port, retry_backoff_s=RETRY_BACKOFF_S), python=self.python,
                                   logdir=self.logdir, extra_args=extra_args, name=f"{name}-{port}")
 
     def start_a(self) -> harness.Proc:
