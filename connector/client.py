@@ -8,6 +8,7 @@ exception (unless `strict`), and a restarted server is detected and re-registere
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import os
@@ -63,12 +64,21 @@ class ChunkHit:
 
 @dataclass
 class LookupResult:
-    hits: list[ChunkHit]
+    """The longest stored prefix: per matched chunk, its leading stored blocks and tier. `hits` is built on
+    first use: an engine's scheduler usually needs only `tokens`."""
+
+    chunks: list[ChunkKeys]
+    matches: list[int]
+    tiers: list[str]
     block_size: int
+
+    @functools.cached_property
+    def hits(self) -> list[ChunkHit]:
+        return list(map(ChunkHit, self.chunks, self.matches, self.tiers))
 
     @property
     def blocks(self) -> int:
-        return sum(h.match for h in self.hits)
+        return sum(self.matches)
 
     @property
     def tokens(self) -> int:
@@ -245,12 +255,11 @@ class KVTierClient:
 
     def lookup_chunks(self, ns: Namespace, chunks: list[ChunkKeys]) -> LookupResult:
         if not chunks:
-            return LookupResult([], ns.block_size)
+            return LookupResult([], [], [], ns.block_size)
         reply = self._request({"op": "lookup", "chunks": [list(c.block_keys) for c in chunks]}, ns)
         if reply is None:
-            return LookupResult([], ns.block_size)
-        hits = [ChunkHit(chunks[i], match, tier) for i, (match, tier) in enumerate(reply["hits"])]
-        return LookupResult(hits, ns.block_size)
+            return LookupResult([], [], [], ns.block_size)
+        return LookupResult(chunks, reply["hits"], reply["tiers"], ns.block_size)
 
     # -- store -----------------------------------------------------------------------------------
 
@@ -288,12 +297,15 @@ class KVTierClient:
                     reason = status[1] if len(status) > 1 else "unknown"
                     result.refused[reason] = result.refused.get(reason, 0) + 1
         finally:
-            pending = [s[1] for s in reply["results"] if s[0] == p.RESERVED and s[1] not in done]
+            written = set(done)
+            pending = [s[1] for s in reply["results"] if s[0] == p.RESERVED and s[1] not in written]
             if pending:
                 self._request({"op": "abort", "res": pending})
             if done:
                 committed = self._request({"op": "commit", "res": done})
                 result.stored = committed["committed"] if committed else 0
+                if result.stored < len(done):  # reservations that expired (TTL) or a server that went away
+                    result.refused["not_committed"] = len(done) - result.stored
         return result
 
     def _span(self, extents: Sequence[int], size: int) -> PageSpan:

@@ -10,6 +10,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from kvtier.server import protocol as p
 from kvtier.server.eviction.base import EvictionPolicy
@@ -82,6 +83,9 @@ class AcquiredChunk:
         return [self.blocks, self.match, self.size, list(self.extents)]
 
 
+TOUCH_BACKLOG_MAX = 1024
+
+
 class ChunkStore:
     def __init__(
         self,
@@ -113,8 +117,14 @@ class ChunkStore:
         self.clients: dict[bytes, ClientState] = {}
         self.evictable_pages = 0
         self.pinned_pages = 0
+        self.backed_bytes = 0  # of the segment, known to have memory behind it (the daemon's prefault)
         self._ids = itertools.count(1)
         self.on_commit: Callable[[Entry], None] | None = None  # L2 write-behind hook (server/l2_service.py)
+        self._touch_backlog: list[list[tuple[Entry, int]]] = []
+        self._m_lookups = metrics.lookups
+        self._m_requested_blocks = metrics.requested_blocks
+        self._m_requested_tokens = metrics.requested_tokens
+        self._m_hit_tokens_l1 = metrics.hit_tokens.labels(L1)
         metrics.l1_capacity.set(pool.num_pages * pool.page_size)
 
     # -- clients and namespaces ------------------------------------------------------------------
@@ -148,35 +158,48 @@ class ChunkStore:
     # -- lookup ----------------------------------------------------------------------------------
 
     def lookup(self, fp: bytes, chunks: list[list[bytes]]) -> list[tuple[Entry, int]]:
-        """The longest stored prefix: per matched chunk, its entry and how many leading blocks match."""
-        bpc = self.namespace(fp).blocks_per_chunk
-        hits: list[tuple[Entry, int]] = []
-        for block_keys in chunks:
-            found = None
-            for j in range(len(block_keys), 0, -1):
-                found = self.index.get(block_keys[j - 1])
-                if found is not None:
-                    break
-            if found is None:
-                break
-            entry, match = found
-            hits.append((entry, match))
-            if match < bpc or match < len(block_keys):
-                break
-        # Touch the prefix back to front: its first chunk becomes the most recent, since losing it
-        # makes every later chunk of the prefix unreachable.
-        for entry, _ in reversed(hits):
-            self.policy.touch(entry.key)
-        m = self.metrics
-        requested = sum(map(len, chunks))
-        m.lookups.inc()
-        m.requested_blocks.inc(requested)
-        block = self.namespaces[fp].block_size
-        m.requested_tokens.inc(requested * block)
-        hit_blocks = sum(match for _, match in hits)
-        if hit_blocks:
-            m.hit_tokens.labels(L1).inc(hit_blocks * block)
+        """The longest stored prefix: per matched chunk, its entry and how many leading blocks match.
+
+        The hits' policy touches are queued, not applied: the serving loop applies them right after the
+        reply is sent (`flush_touches`), and every policy decision applies them first, so eviction order is
+        the same as if they had been applied here, at no cost to the lookup's latency.
+        """
+        ns = self.namespace(fp)
+        bpc = ns.blocks_per_chunk
+        get = self.index.get
+        # Whole-list passes, not a per-chunk loop: a whole-chunk hit needs one probe, of its last key.
+        found = list(map(get, map(itemgetter(-1), chunks)))
+        lengths = list(map(len, chunks))
+        n = found.index(None) if None in found else len(found)
+        matches = list(map(itemgetter(1), found[:n]))
+        if matches and (min(matches) < bpc or max(lengths) > bpc):  # not all whole: find the first that isn't
+            pairs = enumerate(zip(matches, lengths, strict=False))
+            n = next((i for i, (m, k) in pairs if m < bpc or m < k), n)
+        hits: list[tuple[Entry, int]] = found[:n]
+        if n < len(chunks):  # the prefix ends in chunk n: at its longest stored leading run, if any
+            last = found[n] or next(filter(None, map(get, reversed(chunks[n][:-1]))), None)
+            if last is not None:
+                hits.append(last)
+        if hits:
+            self._touch_backlog.append(hits)
+            if len(self._touch_backlog) > TOUCH_BACKLOG_MAX:  # nobody flushed (no serving loop): bound it
+                self.flush_touches()
+        requested = sum(lengths)
+        self._m_lookups.inc()
+        self._m_requested_blocks.inc(requested)
+        self._m_requested_tokens.inc(requested * ns.block_size)
+        if hits:
+            self._m_hit_tokens_l1.inc(sum(map(itemgetter(1), hits)) * ns.block_size)
         return hits
+
+    def flush_touches(self) -> None:
+        """Apply queued lookup hits to the policy, each prefix back to front: its first chunk becomes the
+        most recent, since losing it makes every later chunk of the prefix unreachable."""
+        backlog, self._touch_backlog = self._touch_backlog, []
+        touch = self.policy.touch
+        for hits in backlog:
+            for entry, _ in reversed(hits):
+                touch(entry.key)
 
     # -- store -----------------------------------------------------------------------------------
 
@@ -190,6 +213,7 @@ class ChunkStore:
             # A key stored as its own entry is never re-reserved, whatever block count a client claims:
             # committing it again would orphan the old entry's pages.
             if found is not None and (found[1] >= item.blocks or item.key in self.entries):
+                self.flush_touches()
                 self.policy.touch(found[0].key)
                 self.metrics.store_skipped.labels("exists").inc()
                 results.append([p.EXISTS])
@@ -216,6 +240,7 @@ class ChunkStore:
 
     def _make_room(self, npages: int) -> str | None:
         pool = self.pool
+        self.flush_touches()
         if npages > pool.num_pages:
             return p.TOO_LARGE
         if pool.free_pages + self.evictable_pages < npages:
@@ -252,6 +277,7 @@ class ChunkStore:
 
     def insert(self, entry: Entry) -> Entry:
         """Make a chunk whose bytes are already in its pages visible: a commit, or a promotion from L2."""
+        self.flush_touches()
         self.entries[entry.key] = entry
         self.index[entry.key] = (entry, entry.blocks)
         self._supersede_partials(entry.aliases)
@@ -416,6 +442,7 @@ class ChunkStore:
 
     def sweep(self) -> None:
         """Reclaim expired leases and reservations, and everything held by clients that went silent."""
+        self.flush_touches()
         now = self.clock()
         for client in [c for c in self.clients.values() if now - c.last_seen > self.client_timeout_s]:
             del self.clients[client.ident]
@@ -464,6 +491,7 @@ class ChunkStore:
             "l1_capacity_bytes": self.pool.num_pages * ps,
             "l1_used_bytes": self.pool.used_pages * ps,
             "l1_free_pages": self.pool.free_pages,
+            "l1_backed_bytes": self.backed_bytes,
             "page_size": ps,
             "entries": len(self.entries),
             "index_keys": len(self.index),
@@ -537,6 +565,7 @@ class ChunkStore:
             )
         old = pool.num_pages
         pool.set_budget(num_pages)
+        self.flush_touches()
         evicted = freed = 0
         while pool.used_pages > num_pages:
             key = self.policy.pick_victim(self._is_evictable)
@@ -559,6 +588,7 @@ class ChunkStore:
     def set_policy(self, policy: EvictionPolicy) -> int:
         """Swap the eviction policy, re-inserting entries in the old policy's eviction order (next victim
         first, so it stays the coldest); returns the entries moved."""
+        self.flush_touches()
         old = self.policy
         order: list[bytes] = []
         seen: set[bytes] = set()

@@ -33,6 +33,8 @@ class ServerConfig:
     lease_ttl_s: float = _opt(30.0, "seconds a read lease (lookup pin / acquire) holds a chunk")
     reservation_ttl_s: float = _opt(30.0, "seconds a write reservation stays open before reclaim")
     client_timeout_s: float = _opt(15.0, "seconds without a request or heartbeat before a client is dropped")
+    l1_prefault: bool = _opt(True, "back all of L1 with memory in the background at start-up, so that no "
+                                   "store pays first-touch page faults (the L1 memory is committed at once)")
     shm_name: str = _opt("", "shared-memory segment name under /dev/shm (default kvtier-<port>)")
     shm_mode: str = _opt("600", "octal permission bits of the shared-memory segment")
     http_host: str = _opt("127.0.0.1", "admin HTTP address")

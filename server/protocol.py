@@ -8,12 +8,13 @@ Validation lives here so that the server and the client agree on the contract in
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import msgpack
 from kvtier.server.keys import KEY_BYTES
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 MAX_ITEMS = 65536
 
@@ -98,6 +99,26 @@ def key_field(value: Any, what: str = "key") -> bytes:
     if not isinstance(value, bytes) or len(value) != KEY_BYTES:
         raise ProtocolError(BAD_REQUEST, f"{what} must be {KEY_BYTES} bytes")
     return value
+
+
+def key_lists_field(message: dict[str, Any], name: str, max_keys: int = 4096) -> list[list[bytes]]:
+    """A list of non-empty lists (at most `max_keys` each) of keys, checked in whole-list passes: a lookup
+    carries hundreds of keys and per-key calls would cost more than the lookup itself. `join` rejects any
+    non-bytes key; the total length catches wrong-sized ones (a wrong-sized key could never match anyway:
+    every stored key is exactly KEY_BYTES)."""
+    lists = list_field(message, name)
+    if not lists:
+        return lists
+    lengths = set(map(len, lists)) if set(map(type, lists)) == {list} else {0}
+    if min(lengths) < 1 or max(lengths) > max_keys:
+        raise ProtocolError(BAD_REQUEST, f"each item of {name!r} is a list of 1 to {max_keys} keys")
+    try:
+        joined = b"".join(chain.from_iterable(lists))
+    except TypeError:
+        joined = b""
+    if len(joined) != KEY_BYTES * sum(map(len, lists)):
+        raise ProtocolError(BAD_REQUEST, f"every key in {name!r} must be {KEY_BYTES} bytes")
+    return lists
 
 
 def list_field(message: dict[str, Any], name: str) -> list[Any]:

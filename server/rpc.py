@@ -113,17 +113,12 @@ class RequestHandler:
     def _lookup(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         owner = self.store.client(ident)
         fp = self._ns(m)
-        chunks = p.list_field(m, "chunks")
-        for block_keys in chunks:
-            if not isinstance(block_keys, list) or not block_keys or len(block_keys) > 4096:
-                raise p.ProtocolError(p.BAD_REQUEST, "each chunk is a non-empty list of block keys")
-            for key in block_keys:
-                p.key_field(key)
+        chunks = p.key_lists_field(m, "chunks")
         hits = self.store.lookup(fp, chunks)
         tiers = [L1] * len(hits)
         if self.lower_tier is not None:
             hits, tiers = self.lower_tier.extend_lookup(fp, chunks, hits)
-        reply = p.ok(p.request_id(m), hits=[[match, tier] for (_, match), tier in zip(hits, tiers, strict=True)])
+        reply = p.ok(p.request_id(m), hits=[match for _, match in hits], tiers=tiers)
         if p.field(m, "acquire", bool, False) and hits:
             keys = [chunks[i][match - 1] for i, (_, match) in enumerate(hits)]
             lid, items = self.store.acquire(owner, keys)

@@ -14,11 +14,14 @@ import fcntl
 import mmap
 import os
 import re
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 SHM_DIR = "/dev/shm"
+PREFAULT_STEP = 64 << 20
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
@@ -71,6 +74,20 @@ class Segment:
         finally:
             os.close(fd)
         return cls(name, size, -1, buf, owner=False)
+
+    def prefault(self, stop: threading.Event, progress: Callable[[int], None]) -> bool:
+        """Back the whole segment with memory (the owner's `posix_fallocate`, in steps so that `stop` is
+        honoured); `progress` gets the bytes backed so far. Afterwards no write to the segment allocates
+        and zeroes a page on first touch. Returns whether it finished."""
+        done = 0
+        while done < self.size:
+            if stop.is_set():
+                return False
+            n = min(PREFAULT_STEP, self.size - done)
+            os.posix_fallocate(self.fd, done, n)
+            done += n
+            progress(done)
+        return True
 
     def array(self) -> np.ndarray:
         """A uint8 view of the whole mapping (no copy)."""

@@ -86,3 +86,20 @@ def test_stores_evict_within_budget_then_refuse_when_all_leased(kvtier_server, p
     r = c.store(NS, tokens, lambda _c: CHUNK_BYTES, lambda _c, span: span.write(0, payload))
     assert r.refused == {} and r.stored + r.existing == n_new and r.stored >= 1
     c.close()
+
+
+def test_a_store_batch_at_the_item_limit_is_stored_whole(kvtier_server):
+    """65,536 one-page chunks in one store call (the protocol's item limit) all commit within a short
+    reservation TTL: client-side bookkeeping stays linear, and nothing is lost silently."""
+    from kvtier.server import protocol as p
+    from kvtier.server.keys import ChunkKeys
+
+    srv = kvtier_server(l1_gb=0.1, extra=["--page-size-kb", "1", "--reservation-ttl-s", "10"])
+    c = KVTierClient(ClientConfig(url=srv.url, strict=True, request_timeout_s=60))
+    c.connect()
+    raw = np.random.default_rng(0).bytes(16 * p.MAX_ITEMS)
+    batch = [ChunkKeys(0, 0, 1, (raw[i : i + 16],)) for i in range(0, len(raw), 16)]
+    result = c.store_chunks(NS, batch, lambda _c: 1, lambda _c, span: span.write(0, np.ones(1, np.uint8)))
+    assert result.stored == p.MAX_ITEMS and not result.refused, result
+    assert c.stats()["entries"] == p.MAX_ITEMS
+    c.close()

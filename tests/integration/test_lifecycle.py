@@ -105,3 +105,22 @@ def test_sigterm_exits_zero_and_removes_segment(kvtier_server):
     assert not srv.shm_path.exists()
     assert "segment removed" in srv.log_text()
     c.close()
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_l1_is_backed_by_memory_in_the_background_unless_disabled(kvtier_server, prefault):
+    """With the default --l1-prefault every page of the segment gets memory behind it (tmpfs blocks), so
+    a store never pays first-touch allocation; --no-l1-prefault leaves the segment sparse."""
+    srv = kvtier_server(l1_gb=0.125, extra=[] if prefault else ["--no-l1-prefault"])
+    c = KVTierClient(ClientConfig(url=srv.url, strict=True))
+    c.connect()
+    size = c.stats()["l1_capacity_bytes"]
+    if prefault:
+        wait_for(lambda: c.stats()["l1_backed_bytes"] == size, 30, what="L1 prefault")
+        assert srv.shm_path.stat().st_blocks * 512 >= size
+        assert "L1 backed by memory" in srv.log_text()
+    else:
+        assert c.stats()["l1_backed_bytes"] == 0
+        assert srv.shm_path.stat().st_blocks == 0
+    assert store(c, prompt(1, 4 * 256)).stored == 4 and retrieve_ok(c, prompt(1, 4 * 256)) == 4 * 256
+    c.close()

@@ -443,3 +443,19 @@ def test_shared_leading_blocks_stay_findable_after_first_full_chunk_is_evicted()
     # Document + question 3: the shared first block is resident (in `second`), so it should hit.
     hits = store.lookup(fp, [[block_key(7, 1), digest(b"q3/2")]])
     assert [m for _, m in hits] == [1]
+
+
+@pytest.mark.parametrize("policy", ["lru", DEFAULT_POLICY])
+def test_queued_lookup_touches_count_before_the_next_eviction(policy):
+    """Lookups queue their policy touches; an eviction that follows, with no flush between, still sees
+    the looked-up chunk as recent and evicts the other one."""
+    store, fp = _store(num_pages=2, policy=policy)
+    a = _hello(store, b"a")
+    for family in (1, 2):  # family 1 is the older entry
+        [r] = store.reserve(a, fp, [item(family, BPC, PAGE)])
+        store.commit(a, [r[1]])
+    [hit] = store.lookup(fp, [[block_key(1, j) for j in range(1, BPC + 1)]])
+    assert hit[1] == BPC and store._touch_backlog  # queued, not applied yet
+    [r] = store.reserve(a, fp, [item(3, BPC, PAGE)])  # needs one page: evicts a victim
+    assert r[0] == p.RESERVED
+    assert block_key(1, BPC) in store.entries and block_key(2, BPC) not in store.entries
