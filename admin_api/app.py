@@ -263,6 +263,7 @@ def create_app(daemon: Daemon) -> FastAPI:
                 "leases": len(store.leases),
                 "reservations": len(store.reservations),
                 "shm_name": daemon.segment.name,
+                "shm_dir": daemon.segment.directory,
             },
             "namespaces": store.namespace_stats(),
             "clients": store.client_stats(),

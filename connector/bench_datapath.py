@@ -1,16 +1,18 @@
 """`kvtier bench datapath`: the client's copy path (store / retrieve through shared-memory L1) against a raw
 memcpy of the same bytes, measured in the same run.
 
-For each chunk size (256-token chunks of 2, 8 and 32 MiB by default) a fresh server is started and
-  * cold stores: the first pass over L1 writes into pages the sparse segment never backed yet, so every
-    4 KiB page costs a tmpfs fault plus zeroing; the baseline is np.copyto into a fresh /dev/shm mapping;
-  * warm stores: later passes reuse evicted pages (already backed, already mapped by this client);
-    the baseline is np.copyto between two preallocated buffers and into a warm /dev/shm mapping;
+For each chunk size (256-token chunks of 2, 8 and 32 MiB by default) a fresh server is started (on
+`--shm-dir`; it backs L1 with memory first, `--l1-prefault`, and the bench waits for that) and
+  * cold stores: the client's first pass over L1 (pages backed by the server, not yet mapped by this
+    client); the baseline is np.copyto into a fresh, sparse tmpfs mapping (allocation + zeroing + fault);
+  * warm stores: later passes reuse evicted pages (already mapped by this client); the baselines are
+    np.copyto between two preallocated buffers ("memcpy") and into a warm tmpfs mapping;
   * retrieves of resident chunks (warm), and the first read through a brand-new client mapping
     (what another engine process pays: minor faults) against a first read through a new mapping of a file.
 Each is done as one copy of the whole chunk ("chunk") and as per-block pieces ("blocks", e.g. 64 blocks of
 512 KiB for 32 MiB, the vLLM CPU layout). "copy" times only the memcpy inside the callbacks; "e2e" times
 client.store / client.retrieve including key hashing and the RPCs (reserve+commit, lookup+acquire+release).
+The engine-side buffers are page-aligned (see `aligned`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warm-passes", type=int, default=3, help="warm store passes over L1 (default 3)")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each raw baseline (default 5)")
     parser.add_argument("--url", default="", help="use a running server instead (cold figures then mean little)")
+    parser.add_argument("--shm-dir", default="/dev/shm",
+                        help="tmpfs directory of the servers' L1 and of the raw shm baselines (default /dev/shm; "
+                             "a tmpfs mounted with huge=always or within_size measures L1 on huge pages)")
     parser.add_argument("--plot", default="", help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -56,10 +61,10 @@ def _copy_pieces(dst: np.ndarray, src: np.ndarray, piece: int) -> float:
 
 
 class ShmFile:
-    """A fresh /dev/shm file mapped like the L1 segment (sparse: first writes fault)."""
+    """A fresh tmpfs file mapped like the L1 segment (sparse: first writes fault)."""
 
-    def __init__(self, size: int) -> None:
-        fd, path = tempfile.mkstemp(prefix="kvtier-bench-raw-", dir="/dev/shm")
+    def __init__(self, size: int, directory: str) -> None:
+        fd, path = tempfile.mkstemp(prefix="kvtier-bench-raw-", dir=directory)
         try:
             os.ftruncate(fd, size)
             self.fd = fd
@@ -129,8 +134,26 @@ PATH_PHASES = ("store_cold", "store_warm", "retrieve_warm", "retrieve_fresh_map"
 RAW_PHASES = ("memcpy", "shm_write_cold", "shm_write_warm", "shm_read_warm", "shm_read_fresh_map")
 
 
+def _wait_backed(client: Any, timeout: float = 120.0) -> None:
+    """Let the server finish backing L1 (--l1-prefault) so that "cold" stores measure what a client sees
+    after start-up, not a race with the prefault thread."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and client.stats()["l1_prefault"] == "running":
+        time.sleep(0.05)
+
+
+def aligned(nbytes: int) -> np.ndarray:
+    """A zeroed uint8 buffer whose first byte is page-aligned, like an engine's KV tensor (torch aligns CPU
+    tensors to 64 bytes; numpy only to 16, and a copy whose destination is off a cache line by 16 bytes runs
+    at half speed here with glibc's `rep movsb`, which would make every baseline and figure a misalignment
+    benchmark)."""
+    raw = np.zeros(nbytes + 4096, dtype=np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start : start + nbytes]
+
+
 def bench_size(url: str, size: int, block: int, req_chunks: int, l1_bytes: int, warm_passes: int,
-               rng: np.random.Generator) -> tuple[dict[str, Any], dict[str, Any], int]:
+               rng: np.random.Generator, shm_dir: str) -> tuple[dict[str, Any], dict[str, Any], int]:
     """The client's copy path for one chunk size, with every raw baseline sampled between its requests."""
     from kvtier.connector.client import ClientConfig, KVTierClient
     from kvtier.server.keys import Namespace
@@ -139,10 +162,10 @@ def bench_size(url: str, size: int, block: int, req_chunks: int, l1_bytes: int, 
     bpc = size // block
     ns = Namespace(model="kvtier-bench-datapath", dtype="bfloat16", num_layers=32, kv_heads=8, head_size=128,
                    block_size=16, layout=f"bench-{size}", chunk_size=TOKENS)
-    src = np.empty(req, dtype=np.uint8)
+    src = aligned(req)
     src[:] = rng.integers(0, 256, req, dtype=np.uint8)
     src_blocks = src.reshape(-1, block)  # per-block pieces (rows), like blocks of an engine's KV tensor
-    dst = np.zeros(req, dtype=np.uint8)
+    dst = aligned(req)
     dst_blocks = dst.reshape(-1, block)
     path = {f"{kind}_{mode}": Phase() for kind in PATH_PHASES for mode in MODES}
     raw = {f"{kind}_{mode}": Phase() for kind in RAW_PHASES for mode in MODES}
@@ -181,7 +204,8 @@ def bench_size(url: str, size: int, block: int, req_chunks: int, l1_bytes: int, 
     client.connect()
     per_pass = max(2, l1_bytes // req)
     cold = per_pass - per_pass % 2  # alternate modes; never more than L1 holds (every page still fresh)
-    rawfile = ShmFile(cold * req)
+    rawfile = ShmFile(cold * req, shm_dir)
+    _wait_backed(client)
     prompts: list[np.ndarray] = []
 
     def store(kind: str, mode: str) -> None:
@@ -263,10 +287,12 @@ def run(args: argparse.Namespace) -> int:
         req_chunks = max(1, int(args.request_mib * MiB) // size)
         l1_bytes = max(args.l1_mib * MiB, 4 * req_chunks * size)
         l1_gb = l1_bytes / (1 << 30)
-        with bc.server_or_url(args.url or None, l1_gb, ["--eviction-policy", "lru"]) as server:
+        with bc.server_or_url(args.url or None, l1_gb,
+                              ["--eviction-policy", "lru", "--shm-dir", args.shm_dir]) as server:
             url = args.url or server.url
             t0 = time.perf_counter()
-            path, raw, resident = bench_size(url, size, b, req_chunks, l1_bytes, args.warm_passes, rng)
+            path, raw, resident = bench_size(url, size, b, req_chunks, l1_bytes, args.warm_passes, rng,
+                                             args.shm_dir)
             seconds = time.perf_counter() - t0
         label = str(size // MiB) if size % MiB == 0 else f"{size / MiB:g}"
         rows[label] = {

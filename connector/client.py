@@ -71,6 +71,8 @@ class LookupResult:
     matches: list[int]
     tiers: list[str]
     block_size: int
+    # Measured read bandwidth (bytes/s) of the lower tiers, sent with lower-tier hits; 0.0 = not measured yet.
+    bandwidth: dict[str, float] = field(default_factory=dict)
 
     @functools.cached_property
     def hits(self) -> list[ChunkHit]:
@@ -83,6 +85,19 @@ class LookupResult:
     @property
     def tokens(self) -> int:
         return self.blocks * self.block_size
+
+    def tokens_faster_than(self, min_bandwidth: float) -> int:
+        """Prefix tokens up to the first chunk in a lower tier whose measured read bandwidth is below
+        `min_bandwidth` bytes/s (loading it would be slower than recomputing it). A tier not measured yet
+        counts as fast; `min_bandwidth` 0 keeps every hit."""
+        if min_bandwidth <= 0 or not self.bandwidth:
+            return self.tokens
+        blocks = 0
+        for match, tier in zip(self.matches, self.tiers, strict=True):
+            if tier != L1_TIER and 0.0 < self.bandwidth.get(tier, 0.0) < min_bandwidth:
+                break
+            blocks += match
+        return blocks * self.block_size
 
 
 @dataclass
@@ -166,7 +181,7 @@ class KVTierClient:
              "pid": os.getpid(), "token": self.config.token},
             timeout=self.config.connect_timeout_s,
         )
-        segment = Segment.attach(reply["shm_name"], reply["shm_size"])
+        segment = Segment.attach(reply["shm_name"], reply["shm_size"], reply["shm_dir"])
         self._segment = segment
         self._segment_array = segment.array()
         self._page_size = reply["page_size"]
@@ -256,10 +271,11 @@ class KVTierClient:
     def lookup_chunks(self, ns: Namespace, chunks: list[ChunkKeys]) -> LookupResult:
         if not chunks:
             return LookupResult([], [], [], ns.block_size)
-        reply = self._request({"op": "lookup", "chunks": [list(c.block_keys) for c in chunks]}, ns)
+        # msgpack packs the key tuples as arrays: no per-chunk list copies
+        reply = self._request({"op": "lookup", "chunks": [c.block_keys for c in chunks]}, ns)
         if reply is None:
             return LookupResult([], [], [], ns.block_size)
-        return LookupResult(chunks, reply["hits"], reply["tiers"], ns.block_size)
+        return LookupResult(chunks, reply["hits"], reply["tiers"], ns.block_size, reply.get("bw") or {})
 
     # -- store -----------------------------------------------------------------------------------
 
@@ -323,7 +339,7 @@ class KVTierClient:
         chunks = chunk_keys(ns, token_ids)
         if not chunks:
             return 0
-        reply = self._request({"op": "lookup", "chunks": [list(c.block_keys) for c in chunks], "acquire": True}, ns)
+        reply = self._request({"op": "lookup", "chunks": [c.block_keys for c in chunks], "acquire": True}, ns)
         if reply is None or not reply["hits"]:
             return 0
         return self._read_leased(chunks, reply, read, max_blocks) * ns.block_size

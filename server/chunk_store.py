@@ -118,6 +118,7 @@ class ChunkStore:
         self.evictable_pages = 0
         self.pinned_pages = 0
         self.backed_bytes = 0  # of the segment, known to have memory behind it (the daemon's prefault)
+        self.prefault = "off"  # the daemon's L1 prefault: off, running, done or failed
         self._ids = itertools.count(1)
         self.on_commit: Callable[[Entry], None] | None = None  # L2 write-behind hook (server/l2_service.py)
         self._touch_backlog: list[list[tuple[Entry, int]]] = []
@@ -492,6 +493,7 @@ class ChunkStore:
             "l1_used_bytes": self.pool.used_pages * ps,
             "l1_free_pages": self.pool.free_pages,
             "l1_backed_bytes": self.backed_bytes,
+            "l1_prefault": self.prefault,
             "page_size": ps,
             "entries": len(self.entries),
             "index_keys": len(self.index),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.server.eviction import DEFAULT_POLICY, POLICIES
+from kvtier.shm.segment import tmpfs_options
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -35,7 +36,9 @@ class ServerConfig:
     client_timeout_s: float = _opt(15.0, "seconds without a request or heartbeat before a client is dropped")
     l1_prefault: bool = _opt(True, "back all of L1 with memory in the background at start-up, so that no "
                                    "store pays first-touch page faults (the L1 memory is committed at once)")
-    shm_name: str = _opt("", "shared-memory segment name under /dev/shm (default kvtier-<port>)")
+    shm_dir: str = _opt("/dev/shm", "tmpfs directory of the L1 segment; a tmpfs mounted with huge=within_size "
+                                    "gives L1 huge pages (docs/operations.md)")
+    shm_name: str = _opt("", "shared-memory segment name in --shm-dir (default kvtier-<port>)")
     shm_mode: str = _opt("600", "octal permission bits of the shared-memory segment")
     http_host: str = _opt("127.0.0.1", "admin HTTP address")
     http_port: int = _opt(8080, "admin HTTP port (0 disables the admin API)")
@@ -88,6 +91,7 @@ class ServerConfig:
                 f"--http-host {self.http_host} is not loopback: set --admin-token (or KVTIER_ADMIN_TOKEN) first"
             )
         int(self.shm_mode, 8)
+        tmpfs_options(self.shm_dir)
         if self.l2_path and (self.l2_bytes <= 0 or self.l2_queue_depth <= 0):
             raise ValueError("--l2-size-gb and --l2-queue-depth must be positive when --l2-path is set")
 

@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 import uvloop
@@ -21,7 +21,7 @@ from kvtier.server.eviction import make_policy
 from kvtier.server.l1_pool import PagePool
 from kvtier.server.metrics import Metrics
 from kvtier.server.rpc import RequestHandler
-from kvtier.shm.segment import Segment
+from kvtier.shm.segment import Segment, tmpfs_options
 
 log = logging.getLogger("kvtier.server")
 
@@ -43,7 +43,8 @@ class Daemon:
         self._service_factories = list(services)
         self.metrics = Metrics()
         num_pages = config.l1_bytes // config.page_size
-        self.segment = Segment.create(config.segment_name, num_pages * config.page_size, int(config.shm_mode, 8))
+        self.segment = Segment.create(config.segment_name, num_pages * config.page_size, int(config.shm_mode, 8),
+                                      config.shm_dir)
         self.store = ChunkStore(
             PagePool(num_pages, config.page_size),
             make_policy(config.eviction_policy),
@@ -52,7 +53,8 @@ class Daemon:
             reservation_ttl_s=config.reservation_ttl_s,
             client_timeout_s=config.client_timeout_s,
         )
-        segment_info = {"shm_name": self.segment.name, "shm_size": self.segment.size, "page_size": config.page_size}
+        segment_info = {"shm_name": self.segment.name, "shm_dir": config.shm_dir, "shm_size": self.segment.size,
+                        "page_size": config.page_size}
         self.handler = RequestHandler(
             self.store, segment_info, config.chunk_size, heartbeat_s=config.client_timeout_s / 3,
             token=config.admin_token,
@@ -98,8 +100,10 @@ class Daemon:
             for service in services:
                 await service.start()
             log.info(
-                "kvtier server ready: %s, L1 %.2f GiB in /dev/shm/%s, %d KiB pages, policy %s, pid %d",
-                ", ".join(self.config.endpoints), self.segment.size / (1 << 30), self.segment.name,
+                "kvtier server ready: %s, L1 %.2f GiB in %s (tmpfs huge=%s), %d KiB pages, policy %s, pid %d",
+                ", ".join(self.config.endpoints), self.segment.size / (1 << 30),
+                os.path.join(self.config.shm_dir, self.segment.name),
+                tmpfs_options(self.config.shm_dir).get("huge", "never"),
                 self.config.page_size_kb, self.config.eviction_policy, os.getpid(),
             )
             prefault = self._start_prefault()
@@ -129,17 +133,21 @@ class Daemon:
         Plain non-blocking socket calls from a reader callback, not zmq.asyncio futures: a future per
         message costs more than a whole lookup. The ZeroMQ FD only signals edges, so every wake-up drains
         what is queued (at most DRAIN_BATCH, then the rest on the next loop turn, so other work runs).
+        A reply that must wait (an acquire of a chunk being promoted from L2) is sent by a task in `later`.
         """
         loop = asyncio.get_running_loop()
         fd = sock.getsockopt(zmq.FD)
-        loop.add_reader(fd, self._drain, sock, loop)
+        later: set[asyncio.Task[None]] = set()
+        loop.add_reader(fd, self._drain, sock, loop, later)
         try:
-            self._drain(sock, loop)  # requests queued before the reader was added raise no edge
+            self._drain(sock, loop, later)  # requests queued before the reader was added raise no edge
             await asyncio.Event().wait()
         finally:
             loop.remove_reader(fd)
+            for task in later:
+                task.cancel()
 
-    def _drain(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop) -> None:
+    def _drain(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop, later: set[asyncio.Task[None]]) -> None:
         handle = self.handler.handle
         for _ in range(DRAIN_BATCH):
             if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
@@ -152,14 +160,27 @@ class Daemon:
                 reply = p.pack(p.error(0, p.BAD_REQUEST, "a request is exactly one frame"))
             else:
                 reply = handle(frames[0], frames[1])
-            with contextlib.suppress(zmq.Again):  # ROUTER drops what a gone peer cannot take
-                sock.send_multipart([frames[0], reply], zmq.NOBLOCK)
+            if isinstance(reply, bytes):
+                with contextlib.suppress(zmq.Again):  # ROUTER drops what a gone peer cannot take
+                    sock.send_multipart([frames[0], reply], zmq.NOBLOCK)
+            else:
+                task = loop.create_task(self._send_later(sock, loop, later, frames[0], reply))
+                later.add(task)
+                task.add_done_callback(later.discard)
             self.store.flush_touches()  # bookkeeping the reply did not need to wait for
-        loop.call_soon(self._drain, sock, loop)
+        loop.call_soon(self._drain, sock, loop, later)
+
+    async def _send_later(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop, later: set[asyncio.Task[None]],
+                          ident: bytes, reply: Awaitable[bytes]) -> None:
+        frame = await reply
+        with contextlib.suppress(zmq.Again):
+            sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        self._drain(sock, loop, later)  # a send can consume the FD's edge: serve what arrived meanwhile
 
     def _start_prefault(self) -> threading.Thread | None:
         if not self.config.l1_prefault:
             return None
+        self.store.prefault = "running"
         thread = threading.Thread(target=self._prefault, name="kvtier-l1-prefault", daemon=True)
         thread.start()
         return thread
@@ -169,8 +190,10 @@ class Daemon:
         try:
             finished = self.segment.prefault(self._prefault_stop, self._set_backed)
         except OSError as exc:  # e.g. /dev/shm smaller than L1: stores then fault pages in as they go
+            self.store.prefault = "failed"
             log.warning("L1 prefault stopped after %.2f GiB: %s", self.store.backed_bytes / (1 << 30), exc)
             return
+        self.store.prefault = "done" if finished else "stopped"
         if finished:
             log.info("L1 backed by memory: %.2f GiB in %.1f s", self.segment.size / (1 << 30),
                      time.monotonic() - started)

@@ -1,4 +1,5 @@
-"""POSIX shared-memory segments under /dev/shm, created by the server and mapped by local clients.
+"""POSIX shared-memory segments in a tmpfs directory (/dev/shm by default), created by the server and
+mapped by local clients.
 
 Plain `os.open` + `mmap` instead of multiprocessing.shared_memory: the latter registers every attach
 with Python's resource tracker, which unlinks the segment when a *client* exits (Python < 3.13).
@@ -29,10 +30,30 @@ class SegmentInUse(RuntimeError):
     """Another live process owns a segment of that name."""
 
 
-def _path(name: str) -> str:
+def _path(name: str, directory: str = SHM_DIR) -> str:
     if not _NAME_RE.match(name):
         raise ValueError(f"invalid shared-memory name {name!r}")
-    return os.path.join(SHM_DIR, name)
+    return os.path.join(directory, name)
+
+
+def tmpfs_options(directory: str) -> dict[str, str]:
+    """The mount options of the tmpfs holding `directory` (e.g. {"huge": "within_size"}); ValueError if it is
+    not on a tmpfs: a segment on a disk filesystem would be written back to the disk."""
+    real = os.path.realpath(directory)
+    if not os.path.isdir(real):
+        raise ValueError(f"shared-memory directory {directory} does not exist")
+    best: tuple[str, str, str] = ("", "", "")
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            _, point, fstype, options, *_ = line.split()
+            point = point.replace("\\040", " ")
+            inside = real == point or real.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best[0]):
+                best = (point, fstype, options)
+    if best[1] != "tmpfs":
+        raise ValueError(f"shared-memory directory {directory} is on {best[1] or 'an unknown filesystem'}, "
+                         "not tmpfs")
+    return dict(opt.partition("=")[::2] for opt in best[2].split(","))
 
 
 @dataclass
@@ -42,14 +63,15 @@ class Segment:
     fd: int
     buf: mmap.mmap
     owner: bool
+    directory: str = SHM_DIR
 
     @classmethod
-    def create(cls, name: str, size: int, mode: int = 0o600) -> Segment:
+    def create(cls, name: str, size: int, mode: int = 0o600, directory: str = SHM_DIR) -> Segment:
         """Create (or take over a stale) segment. Pages are not touched: memory is used only once written."""
         if size <= 0:
             raise ValueError("segment size must be positive")
-        path = _path(name)
-        remove_stale(name)
+        path = _path(name, directory)
+        remove_stale(name, directory)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -60,12 +82,12 @@ class Segment:
             os.close(fd)
             os.unlink(path)
             raise
-        return cls(name, size, fd, buf, owner=True)
+        return cls(name, size, fd, buf, owner=True, directory=directory)
 
     @classmethod
-    def attach(cls, name: str, size: int) -> Segment:
+    def attach(cls, name: str, size: int, directory: str = SHM_DIR) -> Segment:
         """Map an existing segment read-write; `size` must match what the owner announced."""
-        fd = os.open(_path(name), os.O_RDWR)
+        fd = os.open(_path(name, directory), os.O_RDWR)
         try:
             actual = os.fstat(fd).st_size
             if actual != size:
@@ -73,7 +95,7 @@ class Segment:
             buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        return cls(name, size, -1, buf, owner=False)
+        return cls(name, size, -1, buf, owner=False, directory=directory)
 
     def prefault(self, stop: threading.Event, progress: Callable[[int], None]) -> bool:
         """Back the whole segment with memory (the owner's `posix_fallocate`, in steps so that `stop` is
@@ -100,14 +122,14 @@ class Segment:
             self.buf.close()
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(_path(self.name))
+                os.unlink(_path(self.name, self.directory))
             os.close(self.fd)
             self.fd = -1
 
 
-def remove_stale(name: str) -> bool:
+def remove_stale(name: str, directory: str = SHM_DIR) -> bool:
     """Remove a segment whose owner is gone; raise SegmentInUse if a live owner holds it."""
-    path = _path(name)
+    path = _path(name, directory)
     try:
         fd = os.open(path, os.O_RDWR)
     except FileNotFoundError:

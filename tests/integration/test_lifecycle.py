@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -116,11 +119,28 @@ def test_l1_is_backed_by_memory_in_the_background_unless_disabled(kvtier_server,
     c.connect()
     size = c.stats()["l1_capacity_bytes"]
     if prefault:
-        wait_for(lambda: c.stats()["l1_backed_bytes"] == size, 30, what="L1 prefault")
+        wait_for(lambda: c.stats()["l1_prefault"] == "done", 30, what="L1 prefault")
+        assert c.stats()["l1_backed_bytes"] == size
         assert srv.shm_path.stat().st_blocks * 512 >= size
         assert "L1 backed by memory" in srv.log_text()
     else:
-        assert c.stats()["l1_backed_bytes"] == 0
+        assert c.stats()["l1_backed_bytes"] == 0 and c.stats()["l1_prefault"] == "off"
         assert srv.shm_path.stat().st_blocks == 0
     assert store(c, prompt(1, 4 * 256)).stored == 4 and retrieve_ok(c, prompt(1, 4 * 256)) == 4 * 256
     c.close()
+
+
+def test_segment_in_another_tmpfs_directory(kvtier_server, tmp_path):
+    """--shm-dir puts L1 in another tmpfs directory (here one below /dev/shm); clients learn it in hello."""
+    directory = Path(tempfile.mkdtemp(prefix="kvtier-test-dir-", dir="/dev/shm"))
+    try:
+        srv = kvtier_server(l1_gb=0.0625, extra=["--shm-dir", str(directory)])
+        c = KVTierClient(ClientConfig(url=srv.url, strict=True))
+        c.connect()
+        assert (directory / srv.shm_name).exists() and not srv.shm_path.exists()
+        assert store(c, prompt(2, 2 * 256)).stored == 2 and retrieve_ok(c, prompt(2, 2 * 256)) == 2 * 256
+        c.close()
+        srv.signal(signal.SIGTERM)
+        wait_for(lambda: not (directory / srv.shm_name).exists(), 15, what="segment removed")
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtier.connector.pages import PageSpan
-from kvtier.shm.segment import SHM_DIR, Segment, SegmentInUse, remove_stale
+from kvtier.shm.segment import SHM_DIR, Segment, SegmentInUse, remove_stale, tmpfs_options
 
 pytestmark = pytest.mark.unit
 
@@ -125,3 +125,11 @@ def test_segment_mode_is_exact_despite_umask(seg_name, mode):
         os.umask(old)
     assert os.stat(os.path.join(SHM_DIR, seg_name)).st_mode & 0o777 == mode
     seg.close()
+
+
+def test_tmpfs_options_accepts_tmpfs_and_refuses_other_filesystems(tmp_path):
+    assert isinstance(tmpfs_options(SHM_DIR), dict)
+    with pytest.raises(ValueError, match="not tmpfs"):
+        tmpfs_options("/proc")
+    with pytest.raises(ValueError, match="does not exist"):
+        tmpfs_options(str(tmp_path / "missing"))
