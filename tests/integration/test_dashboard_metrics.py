@@ -1,6 +1,6 @@
 """Every metric the Grafana dashboard queries exists in a real server's /metrics (issue #6, check 1).
 
-Starts `kvtier server` with the admin API, runs a small workload with KVTierClient (stores that evict and are
+Starts `kvtier server` with the admin API and L2, runs a small workload with KVTierClient (stores that evict and are
 refused, lookups, retrieves, an error reply, a malformed frame) so the labelled series exist, scrapes
 /metrics and checks every PromQL expression of deploy/observability/grafana-dashboard.json: each metric name
 must be a sample name of the scrape exactly as written (so a histogram is used as `_bucket`/`_sum`/`_count`
@@ -136,7 +136,7 @@ def server(tmp_path):
     log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.server.cli", "server", "--port", str(port), "--http-port", str(http_port),
-         "--l1-size-gb", "0.05", "--shm-name", shm],
+         "--l1-size-gb", "0.05", "--shm-name", shm, "--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "0.2"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -225,7 +225,8 @@ def test_dashboard_metrics_exist_in_scrape(server):
     assert not bad_labels, f"dashboard labels absent from their metrics: {bad_labels}"
     # The panels the issue asks for are there.
     for name in ("kvtier_hit_tokens_total", "kvtier_requested_tokens_total", "kvtier_l1_used_bytes",
-                 "kvtier_evictions_total", "kvtier_refused_stores_total", "kvtier_request_seconds_bucket"):
+                 "kvtier_evictions_total", "kvtier_refused_stores_total", "kvtier_request_seconds_bucket",
+                 "kvtier_l2_used_bytes", "kvtier_l2_capacity_bytes"):
         assert name in used, name
     assert any("$prefill_s_per_token" in e for e in exprs)
 
