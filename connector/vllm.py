@@ -52,6 +52,7 @@ class ConnectorOptions:
     chunk_size: int = 256
     cache_salt: str = ""
     token: str = ""
+    prefill_tokens_per_s: float = 0.0  # the engine's prefill rate: lower-tier hits slower than it are skipped
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:
@@ -137,6 +138,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._requests: dict[str, _Tracked] = {}
         self._kv: PagedKV | None = None
         self._load_errors: set[int] = set()
+        # Break-even: a lower tier pays off only if it delivers a token's KV faster than prefill computes it.
+        # Every TP rank loads its share through the same server, hence the whole model's bytes.
+        self.min_load_bandwidth = (kv_bytes_per_token(kv_cache_config) * self.options.prefill_tokens_per_s
+                                   * vllm_config.parallel_config.tensor_parallel_size)
         self.client.connect()  # a miss-only start if the server is down; the client retries later
         log.info("kvtier connector (%s) for %s at %s", role.name.lower(), vllm_config.model_config.model,
                  self.options.url)
@@ -161,7 +166,8 @@ class KVTierConnector(KVConnectorBase_V1):
             # One lookup per request: the scheduler may ask again while the request waits for room.
             tracked = self._requests[request.request_id] = _Tracked(prompt, salt)
             if limit > num_computed_tokens:
-                tracked.hit_tokens = min(self.client.lookup(self.namespace(salt), prompt[:limit]).tokens, limit)
+                found = self.client.lookup(self.namespace(salt), prompt[:limit])
+                tracked.hit_tokens = min(found.tokens_faster_than(self.min_load_bandwidth), limit)
         hit = tracked.hit_tokens
         tracked.local_tokens = num_computed_tokens
         tracked.external_tokens = max(0, hit - num_computed_tokens)
@@ -301,6 +307,18 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def kv_bytes_per_token(kv_cache_config: Any) -> float:
+    """KV bytes one token takes in this rank's layers (0.0 when the config does not say: never skip)."""
+    total = 0.0
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        try:
+            total += len(group.layer_names) * spec.page_size_bytes / spec.block_size
+        except (AttributeError, NotImplementedError, ZeroDivisionError):
+            return 0.0
+    return total
 
 
 def _tp_rank() -> int:

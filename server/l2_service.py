@@ -4,19 +4,32 @@
   the writer thread copies the bytes out of the L1 pages, then the reader is released on the serving
   loop (`call_soon_threadsafe`), then the file is written. A full queue drops the L2 copy (counted).
 * Lookup: `extend_lookup` (RequestHandler's hook) continues a lookup past the L1 prefix. Each chunk
-  found in L2 is promoted to L1 *synchronously, during the lookup*: pages are made room for through the
-  store's own eviction path, the file is read straight into them and its checksum verified, then the
-  chunk is committed as an ordinary L1 entry and reported with tier "l2". Only chunks whose promotion
-  finished are reported, so a following `acquire` always finds them in L1 (the vLLM lookup -> acquire
-  flow works after a restart). The read blocks the loop for the lookup's L2 bytes: asynchronous
-  promotion that overlaps the engine's queueing is left for later.
+  found in L2 gets L1 pages at once (through the store's own eviction path) and its file read and
+  checksum verification run on a worker thread; the lookup replies without waiting, reporting the chunk
+  with tier "l2", so the read overlaps the request's wait in the engine's queue. When the read finishes
+  the chunk is committed as an ordinary L1 entry (on the loop); a corrupt or missing file releases the
+  pages instead. While a chunk is being promoted its pages are not evictable, a store of its key answers
+  "busy" and another lookup reports it without reading it twice; an `acquire` of it waits (`promotions`
+  gives the RequestHandler something to await; the serving loop goes on meanwhile) and gets a miss if the
+  promotion failed. In-flight promotions are capped (`max_promoting_bytes`): chunks beyond the cap are
+  not reported as hits.
+* Bandwidth: promotions' reads and the writer's puts feed a `BandwidthMeter` each, reported in `stats`,
+  as gauges and (`bandwidths`) in lookup replies with lower-tier hits, so a client can skip a tier that
+  is slower than recomputing.
+
+Without a serving loop (`attach_loop` never called: tools, unit tests) promotion runs synchronously
+inside the lookup.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,6 +43,67 @@ from prometheus_client import Counter, Gauge
 log = logging.getLogger("kvtier.server.l2")
 
 L2 = "l2"
+PROMOTE_THREADS = 2
+PROMOTE_MAX_BYTES = 1 << 30  # in-flight promotion cap: at most this, and at most a quarter of L1
+PROMOTING = 0  # ChunkStore.pending value of a key being promoted (reservation ids start at 1)
+BANDWIDTH_DECAY = 0.9  # per transfer: the measured rate follows roughly the last ten transfers
+
+
+class BandwidthMeter:
+    """Decayed bytes over decayed busy seconds of one tier direction's transfers (thread-safe).
+
+    Busy time, not the sum of transfer times: each transfer adds only the time since the previous one
+    ended, so overlapping transfers (several promotion threads) measure the tier's aggregate rate.
+    """
+
+    def __init__(self, decay: float = BANDWIDTH_DECAY) -> None:
+        self.decay = decay
+        self._lock = threading.Lock()
+        self._bytes = 0.0
+        self._seconds = 0.0
+        self._last_end = float("-inf")
+
+    def add(self, nbytes: int, start: float, end: float) -> None:
+        """One finished transfer of `nbytes` that ran from `start` to `end` (time.perf_counter)."""
+        with self._lock:
+            busy = max(0.0, end - max(start, self._last_end))
+            self._last_end = max(self._last_end, end)
+            self._bytes = self._bytes * self.decay + nbytes
+            self._seconds = self._seconds * self.decay + busy
+
+    @property
+    def bytes_per_s(self) -> float:
+        """0.0 until a transfer was measured."""
+        return self._bytes / self._seconds if self._seconds > 0 else 0.0
+
+
+class _TimedPuts:
+    """The tier as the writer sees it: each successful put is timed into the write meter."""
+
+    def __init__(self, tier: TierAdapter, meter: BandwidthMeter) -> None:
+        self._tier = tier
+        self._meter = meter
+
+    def put(self, meta: ChunkMeta, payload) -> bool:
+        start = time.perf_counter()
+        ok = self._tier.put(meta, payload)
+        if ok:
+            self._meter.add(meta.size, start, time.perf_counter())
+        return ok
+
+    def __getattr__(self, name: str) -> Any:  # sync() and anything else the writer uses
+        return getattr(self._tier, name)
+
+
+@dataclass(eq=False, slots=True)
+class Promotion:
+    """One chunk being read from L2 into its L1 pages; `entry` (pages allocated, not yet indexed) is
+    inserted into the store when the read verifies."""
+
+    meta: ChunkMeta
+    entry: Entry
+    done: asyncio.Future[bool] | None  # set on the loop when finished (None without a loop)
+    ok: bool | None = None
 
 
 class L2Metrics:
@@ -44,11 +118,26 @@ class L2Metrics:
             "kvtier_l2_written_chunks", "Chunks whose L2 file is durable, since the server started", registry=r
         )
         self.promoted = Counter("kvtier_l2_promotions", "L2 chunks promoted to L1 by lookups", registry=r)
+        self.promotion_failures = Counter(
+            "kvtier_l2_promotion_failures", "L2 promotions whose file was missing or corrupt (served as misses)",
+            registry=r,
+        )
+        self.promoting_bytes = Gauge(
+            "kvtier_l2_promoting_bytes", "L1 bytes held by promotions from L2 still in flight", registry=r
+        )
+        self.promotions_capped = Counter(
+            "kvtier_l2_promotions_capped", "L2 hits not promoted (nor reported) because of the in-flight cap",
+            registry=r,
+        )
+        self.promotion_waits = Counter(
+            "kvtier_l2_promotion_waits", "Acquires that had to wait for an in-flight promotion", registry=r
+        )
 
 
 class L2Service:
     def __init__(
         self, store: ChunkStore, segment: np.ndarray, tier: TierAdapter, queue_depth: int, metrics: Metrics,
+        max_promoting_bytes: int | None = None,
     ) -> None:
         self.store = store
         self.segment = segment
@@ -56,13 +145,26 @@ class L2Service:
         self.tier = tier
         self.metrics = metrics
         self.m = L2Metrics(metrics)
-        self.writer = L2Writer(tier, queue_depth, on_drop=self.m.dropped.inc)
+        self.read_bw = BandwidthMeter()
+        self.write_bw = BandwidthMeter()
+        self.writer = L2Writer(_TimedPuts(tier, self.write_bw), queue_depth,  # type: ignore[arg-type]
+                               on_drop=self.m.dropped.inc)
+        self.max_promoting_bytes = max_promoting_bytes
         self.promoted = 0
+        self.promotion_failures = 0
         self._call_soon: Callable[..., Any] = lambda fn, *a: fn(*a)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._readers: ThreadPoolExecutor | None = None
+        self._promoting: dict[bytes, Promotion] = {}  # chunk key -> its promotion
+        self._promoting_keys: dict[bytes, Promotion] = {}  # chunk and alias keys -> promotion (acquire waits)
+        self._promoting_pages = 0
         self.m.used.set_function(lambda: self.tier.used_bytes)
         self.m.capacity.set_function(lambda: self.tier.capacity_bytes)
         self.m.queue_depth.set_function(lambda: self.writer.queue_depth)
         self.m.written.set_function(lambda: getattr(self.tier, "written", 0))
+        self.m.promoting_bytes.set_function(lambda: self._promoting_pages * self.page_size)
+        metrics.tier_read_bw.labels(L2).set_function(lambda: self.read_bw.bytes_per_s)
+        metrics.tier_write_bw.labels(L2).set_function(lambda: self.write_bw.bytes_per_s)
         metrics.entries.labels(L2).set_function(lambda: self.tier.entries)
         metrics.hit_tokens.labels(L2)
         metrics.evictions.labels(L2, "capacity")
@@ -89,10 +191,22 @@ class L2Service:
         self.writer.start()
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve from `loop`: writer callbacks and promotion completions run on it, promotion reads on
+        worker threads."""
         self._call_soon = loop.call_soon_threadsafe
+        self._loop = loop
+        self._readers = ThreadPoolExecutor(PROMOTE_THREADS, thread_name_prefix="kvtier-l2-promote")
 
     def close(self, timeout: float = 5.0) -> None:
+        """Stop the writer and the promotion threads; promotions not committed yet give their pages back.
+
+        Waits for reads already running: they write into the segment, which is unmapped after this."""
         self.store.on_commit = None
+        if self._readers is not None:
+            self._readers.shutdown(wait=True, cancel_futures=True)
+        for promo in list(self._promoting.values()):
+            self._settle(promo, False)
+        self.store._update_gauges()
         self.writer.stop(timeout)
 
     # -- write-behind ----------------------------------------------------------------------------
@@ -128,11 +242,13 @@ class L2Service:
 
     def extend_lookup(self, fp: bytes, chunks: list[list[bytes]], hits: list[tuple[Entry, int]]
                       ) -> tuple[list[tuple[Entry, int]], list[str]]:
-        """Continue an L1 lookup prefix with chunks promoted from L2; returns (hits, tier per hit)."""
+        """Continue an L1 lookup prefix with chunks from L2, starting their promotion; returns (hits, tier
+        per hit). An "l2" hit's entry may still be in flight (not indexed until its read verifies)."""
         tiers = [L1] * len(hits)
         if len(hits) >= len(chunks):
             return hits, tiers
-        ns = self.store.namespaces.get(fp)
+        store = self.store
+        ns = store.namespaces.get(fp)
         if ns is None:
             return hits, tiers
         bpc = ns.blocks_per_chunk
@@ -142,58 +258,143 @@ class L2Service:
                 return hits, tiers  # the L1 prefix ended inside a chunk
         hits = list(hits)
         held = [entry for entry, _ in hits]
-        for entry in held:  # promotions below must not evict the prefix found so far
-            self.store._add_readers(entry, 1)
-        l2_blocks = 0
+        for entry in held:  # room made for promotions below must not evict the prefix found so far
+            store._add_readers(entry, 1)
+        blocks = {L1: 0, L2: 0}
         try:
             for block_keys in chunks[len(hits):]:
                 found = self.tier.find(block_keys)
                 if found is None:
                     break
                 meta, match = found
-                if meta.ns != fp or meta.key in self.store.pending or meta.key in self.store.entries:
+                if meta.ns != fp:
                     break
-                entry = self.promote(meta)
-                if entry is None:
+                tier = L2
+                promo = self._promoting.get(meta.key)
+                if promo is not None:
+                    entry = promo.entry
+                elif meta.key in store.entries:  # promoted meanwhile (reads finish in any order)
+                    entry, tier = store.entries[meta.key], L1
+                elif meta.key in store.pending:  # a client is storing it
                     break
-                self.store._add_readers(entry, 1)
-                held.append(entry)
+                else:
+                    promo = self._start(meta)
+                    if promo is None or promo.ok is False:
+                        break
+                    entry = promo.entry
+                if store.entries.get(entry.key) is entry:  # indexed: hold it like the L1 prefix
+                    store._add_readers(entry, 1)
+                    held.append(entry)
                 hits.append((entry, match))
-                tiers.append(L2)
-                l2_blocks += match
+                tiers.append(tier)
+                blocks[tier] += match
                 if match < bpc or match < len(block_keys):
                     break
         finally:
             for entry in held:
-                self.store._add_readers(entry, -1)
-            self.store._update_gauges()
-        if l2_blocks:
-            self.metrics.hit_tokens.labels(L2).inc(l2_blocks * ns.block_size)
+                store._add_readers(entry, -1)
+            store._update_gauges()
+        for tier, n in blocks.items():
+            if n:
+                self.metrics.hit_tokens.labels(tier).inc(n * ns.block_size)
         return hits, tiers
 
-    def promote(self, meta: ChunkMeta) -> Entry | None:
-        """Copy one L2 chunk into freshly made L1 pages and commit it as an L1 entry (None on failure)."""
+    def _promotion_cap_pages(self) -> int:
+        pool = self.store.pool
+        cap = self.max_promoting_bytes
+        if cap is None:
+            cap = min(PROMOTE_MAX_BYTES, pool.num_pages * pool.page_size // 4)
+        return cap // pool.page_size
+
+    def _start(self, meta: ChunkMeta) -> Promotion | None:
+        """Allocate L1 pages for `meta` and start reading it into them (None: over the cap or no room)."""
         store, pool = self.store, self.store.pool
         npages = pool.pages_for(meta.size)
+        if self._promoting_pages + npages > self._promotion_cap_pages():
+            self.m.promotions_capped.inc()
+            return None
         if store._make_room(npages):
             return None
         extents = pool.allocate(npages)
         if extents is None:
             return None
+        entry = Entry(meta.key, meta.ns, meta.size, meta.blocks, extents, meta.aliases)
+        promo = Promotion(meta, entry, self._loop.create_future() if self._loop is not None else None)
+        self._promoting[meta.key] = promo
+        for key in (meta.key, *meta.aliases):
+            self._promoting_keys.setdefault(key, promo)
+        store.pending[meta.key] = PROMOTING  # a store of this key answers "busy" meanwhile
+        self._promoting_pages += npages
+        if self._readers is None:
+            self._finish(promo, self._read(promo))
+        else:
+            read = self._readers.submit(self._read, promo)
+            read.add_done_callback(lambda f: self._call_soon(self._finish_future, promo, f))
+        return promo
+
+    def _read(self, promo: Promotion) -> tuple[bool, float, float]:
+        """Worker thread: read and verify the file into the promotion's pages; (ok, start, end)."""
+        start = time.perf_counter()
         try:
-            ok = self.tier.get(meta, self._views(extents, meta.size))
+            ok = self.tier.get(promo.meta, self._views(promo.entry.extents, promo.meta.size))
         except Exception:
-            log.exception("L2 promotion of %s failed", meta.key.hex())
+            log.exception("L2 promotion of %s failed", promo.meta.key.hex())
             ok = False
-        if not ok:
-            pool.release(extents)
+        return ok, start, time.perf_counter()
+
+    def _finish_future(self, promo: Promotion, read: Future) -> None:
+        if not read.cancelled():  # cancelled only by close(), which settles the promotion itself
+            self._finish(promo, read.result())
+
+    def _finish(self, promo: Promotion, result: tuple[bool, float, float]) -> None:
+        """On the loop: commit a verified promotion as an L1 entry, or give its pages back."""
+        if self._promoting.get(promo.meta.key) is not promo:
+            return  # settled by close()
+        ok, start, end = result
+        if ok:
+            self.read_bw.add(promo.meta.size, start, end)
+        else:
+            self.promotion_failures += 1
+            self.m.promotion_failures.inc()
+        self._settle(promo, ok)
+        self.store._update_gauges()
+
+    def _settle(self, promo: Promotion, ok: bool) -> None:
+        meta, store = promo.meta, self.store
+        del self._promoting[meta.key]
+        for key in (meta.key, *meta.aliases):
+            if self._promoting_keys.get(key) is promo:
+                del self._promoting_keys[key]
+        if store.pending.get(meta.key) == PROMOTING:
+            del store.pending[meta.key]
+        self._promoting_pages -= promo.entry.pages
+        if ok:
+            store.insert(promo.entry)
+            self.promoted += 1
+            self.m.promoted.inc()
+        else:
+            store.pool.release(promo.entry.extents)
+        promo.ok = ok
+        if promo.done is not None and not promo.done.done():
+            promo.done.set_result(ok)
+
+    def promotions(self, keys: Iterable[bytes]) -> Awaitable[Any] | None:
+        """Something to await before acquiring `keys` while any of them is being promoted, else None."""
+        if not self._promoting_keys:
             return None
-        entry = store.insert(Entry(meta.key, meta.ns, meta.size, meta.blocks, extents, meta.aliases))
-        self.promoted += 1
-        self.m.promoted.inc()
-        return entry
+        waits = {id(promo): promo.done for key in keys if (promo := self._promoting_keys.get(key)) is not None}
+        futures = [f for f in waits.values() if f is not None]
+        if not futures or self._loop is None:
+            return None
+        self.m.promotion_waits.inc()
+        # A task, so that a cancelled waiter (client gone, shutdown) never cancels the promotions' futures.
+        return self._loop.create_task(asyncio.wait(futures))
 
     # -- reporting -------------------------------------------------------------------------------
+
+    def bandwidths(self) -> dict[str, float]:
+        """Measured read bandwidth per lower tier, bytes/s (0.0: not measured yet), for lookup replies."""
+        return {L2: self.read_bw.bytes_per_s}
 
     def stats(self) -> dict:
         t = self.tier
@@ -209,4 +410,9 @@ class L2Service:
             "l2_corrupt_chunks": getattr(t, "corrupt", 0),
             "l2_evictions": getattr(t, "evicted", 0),
             "l2_promoted": self.promoted,
+            "l2_promoting": len(self._promoting),
+            "l2_promoting_bytes": self._promoting_pages * self.page_size,
+            "l2_promotion_failures": self.promotion_failures,
+            "l2_read_bytes_per_s": self.read_bw.bytes_per_s,
+            "l2_write_bytes_per_s": self.write_bw.bytes_per_s,
         }

@@ -65,6 +65,16 @@ class Metrics:
         self.admin_requests = Counter(
             "kvtier_admin_requests", "Admin HTTP requests, by route and status code", ["route", "code"], registry=r
         )
+        self.tier_read_bw = Gauge(
+            "kvtier_tier_read_bandwidth_bytes_per_second",
+            "Measured read bandwidth of a lower tier (decayed average of its transfers; 0 = not measured yet)",
+            ["tier"], registry=r,
+        )
+        self.tier_write_bw = Gauge(
+            "kvtier_tier_write_bandwidth_bytes_per_second",
+            "Measured write bandwidth of a lower tier (decayed average of its transfers; 0 = not measured yet)",
+            ["tier"], registry=r,
+        )
         self.info = Gauge("kvtier_build_info", "Always 1; the version label is the kvtier version", ["version"],
                           registry=r)
         # Create the children a dashboard divides by, so they read 0 before the first event.

@@ -11,16 +11,18 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvtier.server import protocol as p
-from kvtier.server.chunk_store import L1, ChunkStore
+from kvtier.server.chunk_store import L1, ChunkStore, ClientState
 from kvtier.server.keys import Namespace
 
 log = logging.getLogger("kvtier.server")
 
-Handler = Callable[[bytes, dict[str, Any]], dict[str, Any]]
+# A reply, or an awaitable of one when it must wait (an acquire of a chunk still being promoted).
+Reply = dict[str, Any] | Awaitable[dict[str, Any]]
+Handler = Callable[[bytes, dict[str, Any]], Reply]
 
 
 class RequestHandler:
@@ -49,8 +51,9 @@ class RequestHandler:
             "bye": self._bye,
         }
 
-    def handle(self, ident: bytes, frame: bytes) -> bytes:
-        """One request frame in, one reply frame out."""
+    def handle(self, ident: bytes, frame: bytes) -> bytes | Awaitable[bytes]:
+        """One request frame in, one reply frame out; or an awaitable of the reply frame when the op must
+        wait, which the serving loop awaits in a task while it serves other requests."""
         rid = 0
         op = "?"
         started = time.perf_counter()
@@ -62,19 +65,35 @@ class RequestHandler:
                 raise p.ProtocolError(p.UNKNOWN_OP, f"unknown op {op_value!r}"[:200])
             op = op_value
             reply = self._ops[op](ident, message)
-        except p.ProtocolError as exc:
-            if exc.code in (p.BAD_REQUEST, p.UNKNOWN_OP):
-                self.metrics.malformed.inc()
-            self.metrics.request_errors.labels(exc.code).inc()
-            reply = p.error(rid, exc.code, exc.message)
-        except Exception:  # a bug must not take the daemon down: answer, count and log it
-            log.exception("internal error handling %s", op)
-            self.metrics.request_errors.labels(p.INTERNAL).inc()
-            reply = p.error(rid, p.INTERNAL, "internal server error")
+            if not isinstance(reply, dict):
+                return self._deferred(op, rid, started, reply)
+        except Exception as exc:
+            reply = self._error(op, rid, exc)
         if op != "?":
             self.metrics.requests.labels(op).inc()
             self.metrics.request_latency.labels(op).observe(time.perf_counter() - started)
         return p.pack(reply)
+
+    async def _deferred(self, op: str, rid: int, started: float, pending: Awaitable[dict[str, Any]]) -> bytes:
+        try:
+            reply = await pending
+        except Exception as exc:
+            reply = self._error(op, rid, exc)
+        self.metrics.requests.labels(op).inc()
+        self.metrics.request_latency.labels(op).observe(time.perf_counter() - started)
+        return p.pack(reply)
+
+    def _error(self, op: str, rid: int, exc: Exception) -> dict[str, Any]:
+        """The typed, counted error reply for an exception; a bug is logged (it must not take the daemon
+        down)."""
+        if isinstance(exc, p.ProtocolError):
+            if exc.code in (p.BAD_REQUEST, p.UNKNOWN_OP):
+                self.metrics.malformed.inc()
+            self.metrics.request_errors.labels(exc.code).inc()
+            return p.error(rid, exc.code, exc.message)
+        log.error("internal error handling %s", op, exc_info=exc)
+        self.metrics.request_errors.labels(p.INTERNAL).inc()
+        return p.error(rid, p.INTERNAL, "internal server error")
 
     # -- ops -------------------------------------------------------------------------------------
 
@@ -110,20 +129,21 @@ class RequestHandler:
     def _ns(self, m: dict[str, Any]) -> bytes:
         return p.key_field(p.field(m, "ns", bytes), "ns")
 
-    def _lookup(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+    def _lookup(self, ident: bytes, m: dict[str, Any]) -> Reply:
         owner = self.store.client(ident)
         fp = self._ns(m)
         chunks = p.key_lists_field(m, "chunks")
         hits = self.store.lookup(fp, chunks)
         tiers = [L1] * len(hits)
-        if self.lower_tier is not None:
+        lower = self.lower_tier is not None and len(hits) < len(chunks)
+        if lower:
             hits, tiers = self.lower_tier.extend_lookup(fp, chunks, hits)
         reply = p.ok(p.request_id(m), hits=[match for _, match in hits], tiers=tiers)
+        if lower and tiers and tiers[-1] != L1:  # lower-tier hits follow the L1 prefix
+            reply["bw"] = self.lower_tier.bandwidths()
         if p.field(m, "acquire", bool, False) and hits:
             keys = [chunks[i][match - 1] for i, (_, match) in enumerate(hits)]
-            lid, items = self.store.acquire(owner, keys)
-            reply["lease"] = lid
-            reply["items"] = [item.to_wire() if item else None for item in items]
+            return self._leased(ident, owner, keys, reply)
         return reply
 
     def _reserve(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
@@ -146,11 +166,28 @@ class RequestHandler:
         owner = self.store.client(ident)
         return p.ok(p.request_id(m), aborted=self.store.abort(owner, self._ids(m, "res")))
 
-    def _acquire(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+    def _acquire(self, ident: bytes, m: dict[str, Any]) -> Reply:
         owner = self.store.client(ident)
         keys = [p.key_field(k) for k in p.list_field(m, "keys")]
+        return self._leased(ident, owner, keys, p.ok(p.request_id(m)))
+
+    def _leased(self, ident: bytes, owner: ClientState, keys: list[bytes], reply: dict[str, Any]) -> Reply:
+        """`reply` with a lease on `keys`; an awaitable of it while any of them is still being promoted from
+        a lower tier (a promotion that fails leaves a miss, `None`, for its key)."""
+        pending = self.lower_tier.promotions(keys) if self.lower_tier is not None else None
+        if pending is not None:
+            return self._leased_later(ident, keys, reply, pending)
         lid, items = self.store.acquire(owner, keys)
-        return p.ok(p.request_id(m), lease=lid, items=[item.to_wire() if item else None for item in items])
+        reply["lease"] = lid
+        reply["items"] = [item.to_wire() if item else None for item in items]
+        return reply
+
+    async def _leased_later(self, ident: bytes, keys: list[bytes], reply: dict[str, Any],
+                            pending: Awaitable[Any]) -> dict[str, Any]:
+        await pending
+        owner = self.store.client(ident)  # not_registered if the client was dropped meanwhile
+        leased = self._leased(ident, owner, keys, reply)
+        return leased if isinstance(leased, dict) else await leased
 
     def _release(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         owner = self.store.client(ident)
