@@ -265,6 +265,7 @@ def create_app(daemon: Daemon) -> FastAPI:
                 "shm_name": daemon.segment.name,
                 "shm_dir": daemon.segment.directory,
             },
+            "l2": daemon.l2.stats() if daemon.l2 is not None else {"l2_enabled": False},
             "namespaces": store.namespace_stats(),
             "clients": store.client_stats(),
             "ttl": {"lease_s": store.lease_ttl_s, "reservation_s": store.reservation_ttl_s,

@@ -67,6 +67,25 @@ def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
+def render_l2(l2: dict[str, Any]) -> list[str]:
+    if not l2.get("l2_enabled"):
+        return ["L2  off"]
+    cap, used = l2.get("l2_capacity_bytes", 0), l2.get("l2_used_bytes", 0)
+    pct = f" ({100 * used / cap:.0f}%)" if cap else ""
+
+    def rate(key: str) -> str:
+        bw = l2.get(key, 0.0)
+        return f"{human_bytes(bw)}/s" if bw else "not measured"
+
+    return [
+        f"L2  {human_bytes(used)} used of {human_bytes(cap)}{pct}, {l2.get('l2_entries', 0)} chunks; "
+        f"read {rate('l2_read_bytes_per_s')}, write {rate('l2_write_bytes_per_s')}",
+        f"    {l2.get('l2_queue_depth', 0)} queued writes, {l2.get('l2_dropped_writes', 0)} dropped, "
+        f"{l2.get('l2_promoted', 0)} promoted ({l2.get('l2_promoting', 0)} in flight), "
+        f"{l2.get('l2_corrupt_chunks', 0)} corrupt removed",
+    ]
+
+
 def render(status: dict[str, Any]) -> str:
     l1 = status.get("l1", {})
     cap, used = l1.get("capacity_bytes", 0), l1.get("used_bytes", 0)
@@ -80,6 +99,7 @@ def render(status: dict[str, Any]) -> str:
         f"pages of {human_bytes(l1.get('page_size', 0))})",
         f"    {l1.get('entries', 0)} chunks, {human_bytes(l1.get('pinned_bytes', 0))} pinned, "
         f"{l1.get('leases', 0)} leases, {l1.get('reservations', 0)} open writes",
+        *render_l2(status.get("l2", {})),
         "",
     ]
     namespaces = status.get("namespaces", [])

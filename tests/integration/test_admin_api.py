@@ -387,10 +387,30 @@ def test_status_cli(srv, client):
     cmd = [sys.executable, "-m", "kvtier.server.cli", "status", "--url", srv.url]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    assert "L1  256.0 KiB used of 64.0 MiB" in r.stdout
+    assert "L1  256.0 KiB used of 64.0 MiB" in r.stdout and "L2  off" in r.stdout
     assert NS.fingerprint().hex()[:12] in r.stdout and "admin-test" in r.stdout
     assert client.config.instance[:48] in r.stdout
     r = subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=30)
     assert json.loads(r.stdout)["l1"]["entries"] == 4
     r = subprocess.run([*cmd[:-1], f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 1 and "cannot read" in r.stderr
+
+
+def test_status_shows_l2(tmp_path):
+    s = Server(tmp_path, "--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "0.01")
+    try:
+        c = s.client()
+        assert store(c, doc(31, 128)).stored == 2
+        deadline = time.monotonic() + 20
+        while s.http.get("/status").json()["l2"]["l2_written"] < 2:
+            assert time.monotonic() < deadline, s.http.get("/status").json()["l2"]
+            time.sleep(0.05)
+        l2 = s.http.get("/status").json()["l2"]
+        assert l2["l2_enabled"] and l2["l2_entries"] == 2 and l2["l2_capacity_bytes"] == int(0.01 * (1 << 30))
+        assert l2["l2_write_bytes_per_s"] > 0
+        r = subprocess.run([sys.executable, "-m", "kvtier.server.cli", "status", "--url", s.url],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0 and "L2  " in r.stdout and "2 chunks" in r.stdout, r.stdout
+        c.close()
+    finally:
+        s.stop()
