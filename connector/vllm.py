@@ -14,6 +14,7 @@ skipped by the server without a copy). A load that comes up short is reported th
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvtier.connector")
+TOKEN_ENV = "KVTIER_ADMIN_TOKEN"  # the token when kvtier.token is not set: keeps it out of vLLM's argv
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ class ConnectorOptions:
     def client_config(self) -> ClientConfig:
         return ClientConfig(
             url=self.url, connect_timeout_s=self.connect_timeout_s, request_timeout_s=self.request_timeout_s,
-            retry_backoff_s=self.retry_backoff_s, token=self.token,
+            retry_backoff_s=self.retry_backoff_s, token=self.token or os.environ.get(TOKEN_ENV, ""),
         )
 
 

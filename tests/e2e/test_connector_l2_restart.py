@@ -2,7 +2,11 @@
 behind to L2; once the L2 queue is drained, kvtier is SIGKILLed (its L1, in shared memory, is gone with the
 process as far as the new server is concerned) and restarted on the same port and L2 directory. After
 vLLM's own prefix cache is reset, the same prompt is loaded from kvtier again -- every whole block, promoted
-from L2 during the lookup -- with output identical to vLLM's own prefix-cache reuse of the same blocks.
+from L2 (the lookup starts the reads, the worker's acquire waits for them) -- with output identical to
+vLLM's own prefix-cache reuse of the same blocks.
+
+The server requires a client token (`--admin-token` via KVTIER_ADMIN_TOKEN), and the connector gets it from
+the same environment variable, not from its command line.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ L1_GB = 0.5
 PROMPT_LEN = 2000
 FULL_RELOAD = (PROMPT_LEN - 1) // BLOCK * BLOCK  # 1920
 RETRY_BACKOFF_S = 0.2
+TOKEN = "e2e-l2-token"
 BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
@@ -44,7 +49,8 @@ def kv_metrics(http_port: int) -> dict:
 
 
 def kv_stats(kv_port: int) -> dict:
-    c = KVTierClient(ClientConfig(url=f"tcp://127.0.0.1:{kv_port}", strict=True, request_timeout_s=10.0))
+    c = KVTierClient(ClientConfig(url=f"tcp://127.0.0.1:{kv_port}", strict=True, request_timeout_s=10.0,
+                                  token=TOKEN))
     try:
         assert c.connect()
         s = c.stats()
@@ -71,12 +77,13 @@ def test_prompt_reloads_from_l2_after_kvtier_sigkill(vllm_python, tiny_model, lo
 
     def start_kvtier() -> harness.Proc:
         return harness.start_kvtier(kv_port, kv_http, L1_GB, kv_args, python=vllm_python, logdir=logdir,
-                                    name=f"kvtier-{kv_port}")
+                                    env_extra={"KVTIER_ADMIN_TOKEN": TOKEN}, name=f"kvtier-{kv_port}")
 
     kv = start_kvtier()
     vport = harness.free_port()
-    with harness.start_vllm(tiny_model, vport, harness.kvtier_connector_config(kv_port, retry_backoff_s=RETRY_BACKOFF_S), python=vllm_python, logdir=logdir,
-                            name=f"vllm-{vport}") as v:
+    connector = harness.kvtier_connector_config(kv_port, retry_backoff_s=RETRY_BACKOFF_S)
+    with harness.start_vllm(tiny_model, vport, connector, {"KVTIER_ADMIN_TOKEN": TOKEN}, python=vllm_python,
+                            logdir=logdir, name=f"vllm-{vport}") as v:
         harness.complete(vport, harness.prompt_ids(300, seed=99), 2)  # warm-up, unrelated prefix
         prompt = harness.prompt_ids(PROMPT_LEN, seed=700)
         _, cold = serve(vport, prompt)
