@@ -297,7 +297,12 @@ def _plot(r: dict[str, Any], path: str) -> None:
         return
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     xs = [row["entries"] for row in r["levels"]]
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    idle = r.get("idle")
+    if idle:
+        fig, (ax, ax_idle) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [2.2, 1]})
+        _plot_idle(ax_idle, idle)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4.8))
     for name, label, style in (("kvtier_lookup", "kvtier lookup (client)", "o-"),
                                ("echo_sync", "bare ZMQ+msgpack echo", "s--"),
                                ("echo_uvloop", "echo under uvloop (zmq.asyncio)", "^:"),
@@ -317,7 +322,26 @@ def _plot(r: dict[str, Any], path: str) -> None:
         ax2.set_ylim(bottom=0)
         ax2.legend(loc="upper right", fontsize=8)
     ax.legend(loc="upper left", fontsize=8)
-    ax.set_title("kvtier lookup vs a bare ZeroMQ+msgpack echo, same run")
+    ax.set_title("kvtier lookup vs a bare ZeroMQ+msgpack echo, same run", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_idle(ax: Any, idle: dict[str, Any]) -> None:
+    """Idle server RSS per configuration against the 150 MiB goal."""
+    names = list(idle)
+    parts = (("RssAnon", "anon"), ("RssFile", "file"), ("RssShmem", "shmem"))
+    bottom = [0.0] * len(names)
+    for key, label in parts:
+        vals = [idle[n].get(key, 0) / MiB for n in names]
+        ax.bar(names, vals, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    for i, n in enumerate(names):
+        ax.text(i, bottom[i] + 2, f"{idle[n]['VmRSS'] / MiB:.0f} MiB\nready {idle[n]['startup_s']:.2f} s",
+                ha="center", fontsize=8)
+    ax.axhline(150, color="red", linestyle="--", label="goal 150 MiB")
+    ax.set_ylabel("idle server VmRSS, MiB")
+    ax.set_ylim(0, 170)
+    ax.legend(fontsize=8, loc="upper right")
+    ax.set_title("idle server, --l1-size-gb 1", fontsize=10)
