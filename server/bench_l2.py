@@ -1,30 +1,37 @@
 """`kvtier bench l2`: the L2 filesystem tier's write and read path against raw sequential file I/O of the same
-bytes on the same disk, in the same run, plus a lookup that promotes a chunk from L2 against an L1 hit.
+bytes on the same disk, in the same run, buffered and with O_DIRECT, plus a lookup that promotes a chunk from
+L2 against an L1 hit.
 
 * write: N chunks through `L2Writer` + `FsTier` (the production write-behind path: copy out of the source
-  buffer, header + BLAKE3 checksum, temp file, fsync, rename, batched directory fsync), timed from the first
-  submit until `inflight == 0`; baseline: plain os.write + fsync of files of the same sizes (one directory
-  fsync at the end).
-* read: `FsTier.get` into a preallocated buffer (header check + BLAKE3 verification) against os.preadv of
-  the same files into a buffer of the same size. "cold" after dropping the page cache (drop_caches when
-  permitted, otherwise posix_fadvise(DONTNEED) on every file, which evicts clean pages without root);
-  "warm" right after, from the page cache (best of 3 passes each).
-* lookup: a real server with --l2-path; chunks stored (one chunk per prompt), the L2 queue drained, the
-  server restarted on the same directory; for each prompt the first lookup (promotes from L2: file read,
-  checksum, L1 commit) and the second (L1 hit) are timed with KVTierClient.
-
-`--l2-odirect` is accepted by the server but not implemented: every figure here is buffered I/O.
+  buffer, header + BLAKE3 checksum, temp file, write, fsync, rename, batched directory fsync), timed from
+  the first submit until `inflight == 0`; baseline: plain writes + fsync of files of the same sizes (the
+  same file bytes, one directory fsync at the end).
+* read: `FsTier.get` into a preallocated 4096-aligned buffer (header check + BLAKE3 verification) against
+  os.preadv of the raw files into an aligned buffer of the same size. "cold" after dropping the page cache
+  (drop_caches when permitted, otherwise posix_fadvise(DONTNEED) on every file, which evicts clean pages
+  without root); "warm" right after (best of 3 passes each): from the page cache when buffered, from the
+  disk again with O_DIRECT.
+* O_DIRECT: the same with `FsTier(odirect=True)`; the raw baseline then also opens with O_DIRECT and uses
+  aligned buffers. Where the directory refuses O_DIRECT (tmpfs) both fall back to buffered, reported as
+  `odirect_active: false`.
+* lookup: a real server with --l2-path (buffered); chunks stored (one chunk per prompt), the L2 queue
+  drained, the server restarted on the same directory; for each prompt, lookup + acquire + release as the
+  connector does it, timed with KVTierClient: first while the chunk is only in L2 (the lookup replies at
+  once and starts the promotion; the acquire waits for file read, checksum and L1 commit), then again as an
+  L1 hit.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import mmap
 import os
 import shutil
 import subprocess
 import tempfile
 import time
+from functools import partial
 from typing import Any
 
 import blake3
@@ -33,7 +40,8 @@ from kvtier.connector import bench_common as bc
 
 MiB = 1 << 20
 TOKENS = 256  # tokens per chunk in the lookup part
-ODIRECT_NOTE = "O_DIRECT is accepted (--l2-odirect) but not implemented: all I/O here is buffered"
+MODES = ("buffered", "odirect")
+KINDS = (("write", "write + fsync"), ("read_cold", "read, page cache dropped"), ("read_warm", "read again"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookups", type=int, default=16,
                         help="chunks (one per prompt) for the promotion vs L1-hit lookup timing (default 16)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--plot", default="", help="also write a PNG bar chart here (needs matplotlib)")
 
 
 # -- helpers ---------------------------------------------------------------------------------------
@@ -83,30 +92,22 @@ def _drop_cache(paths: list[str]) -> str:
     return "fadvise_dontneed" if ok else "none (page-cache-warm)"
 
 
-def _read_into(path: str, view: memoryview) -> int:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        off = 0
-        while off < len(view):
-            n = os.preadv(fd, [view[off:]], off)
-            if n <= 0:
-                break
-            off += n
-    finally:
-        os.close(fd)
-    return off
+def _aligned_array(shape: tuple[int, ...]) -> np.ndarray:
+    """A zeroed uint8 array on page-aligned anonymous memory (O_DIRECT buffers)."""
+    return np.frombuffer(mmap.mmap(-1, int(np.prod(shape))), dtype=np.uint8).reshape(shape)
 
 
-def _raw_write(directory: str, payloads: np.ndarray, file_bytes: int, header: bytes) -> tuple[float, list[str]]:
+def _raw_write(directory: str, files: np.ndarray, odirect: bool) -> tuple[float, list[str]]:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if odirect else 0)
     paths = []
     t = time.perf_counter()
-    for i in range(payloads.shape[0]):
+    for i in range(files.shape[0]):
         p = os.path.join(directory, f"raw-{i:06d}")
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(p, flags, 0o600)
         try:
-            for piece in (memoryview(header), memoryview(payloads[i])):
-                while piece:
-                    piece = piece[os.write(fd, piece):]
+            view = memoryview(files[i])
+            while view:
+                view = view[os.write(fd, view):]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -114,35 +115,39 @@ def _raw_write(directory: str, payloads: np.ndarray, file_bytes: int, header: by
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     os.fsync(dfd)
     os.close(dfd)
-    dt = time.perf_counter() - t
-    assert os.path.getsize(paths[0]) == file_bytes
-    return dt, paths
+    return time.perf_counter() - t, paths
 
 
-def _raw_read(paths: list[str], buf: memoryview) -> float:
+def _raw_read(paths: list[str], buf: memoryview, odirect: bool) -> float:
+    flags = os.O_RDONLY | (os.O_DIRECT if odirect else 0)
     t = time.perf_counter()
     for p in paths:
-        if _read_into(p, buf) != len(buf):
-            raise RuntimeError(f"short read of {p}")
+        fd = os.open(p, flags)
+        try:
+            off = 0
+            while off < len(buf):
+                n = os.preadv(fd, [buf[off:]], off)
+                if n <= 0:
+                    raise RuntimeError(f"short read of {p}")
+                off += n
+        finally:
+            os.close(fd)
     return time.perf_counter() - t
 
 
-def _tier_write(directory: str, payloads: np.ndarray, rng: np.random.Generator):  # noqa: ANN202
-    from kvtier.server.l2_format import ChunkMeta
+def _tier_write(directory: str, payloads: list[memoryview], metas: list, odirect: bool):  # noqa: ANN202
     from kvtier.server.l2_tier import FsTier
     from kvtier.server.l2_writer import L2Writer, WriteJob
 
-    n, size = payloads.shape
-    ns = rng.bytes(16)
-    metas = [ChunkMeta(rng.bytes(16), ns, 16, (), size) for _ in range(n)]
-    tier = FsTier(directory, capacity_bytes=n * metas[0].file_bytes * 2)
+    n = len(payloads)
+    tier = FsTier(directory, capacity_bytes=n * metas[0].file_bytes * 2, odirect=odirect)
     writer = L2Writer(tier, depth=n)
     writer.start()
 
     def job(i: int) -> WriteJob:
-        view = memoryview(payloads[i])
-        # L2Service._copy_out: the worker copies the chunk out of the L1 pages before writing it
-        return WriteJob(metas[i], lambda: b"".join([bytes(view)]), lambda: None)
+        view, half = payloads[i], len(payloads[i]) // 2
+        # as L2Service._copy_out: bytes of each L1 extent, joined (two extents here)
+        return WriteJob(metas[i], lambda: b"".join([bytes(view[:half]), bytes(view[half:])]), lambda: None)
 
     jobs = [job(i) for i in range(n)]
     t = time.perf_counter()
@@ -155,7 +160,7 @@ def _tier_write(directory: str, payloads: np.ndarray, rng: np.random.Generator):
     writer.stop()
     if writer.done != n or tier.written != n:
         raise RuntimeError(f"L2 writer wrote {writer.done}/{n} chunks ({tier.written} synced)")
-    return dt, tier, metas
+    return dt, tier
 
 
 def _tier_read(tier: Any, metas: list, buf: memoryview) -> float:
@@ -170,64 +175,70 @@ def _tier_read(tier: Any, metas: list, buf: memoryview) -> float:
 
 
 def bench_io(root: str, n: int, size: int, reps: int, rng: np.random.Generator) -> dict[str, Any]:
-    from kvtier.server.l2_format import ChunkMeta, file_name
+    from kvtier.server.l2_format import ChunkMeta, file_name, probe_odirect
 
-    payloads = rng.integers(0, 256, (n, size), dtype=np.uint8)
-    file_bytes = ChunkMeta(b"\0" * 16, b"\0" * 16, 16, (), size).file_bytes
-    header = bytes(file_bytes - size)
-    buf = np.empty(size, dtype=np.uint8)
-    raw_buf = np.empty(file_bytes, dtype=np.uint8)
-    t = {k: 0.0 for k in ("tier_write", "raw_write", "tier_read_cold", "raw_read_cold", "tier_read_warm",
-                          "raw_read_warm")}
+    ns = rng.bytes(16)
+    metas = [ChunkMeta(rng.bytes(16), ns, 16, (), size) for _ in range(n)]
+    file_bytes, off = metas[0].file_bytes, metas[0].data_offset
+    files = _aligned_array((n, file_bytes))  # raw files: the tier's file sizes, payload at the same offset
+    for i in range(n):
+        files[i, off : off + size] = rng.integers(0, 256, size, dtype=np.uint8)
+    payloads = [memoryview(files[i, off : off + size]) for i in range(n)]
+    buf, raw_buf = _aligned_array((size,)), _aligned_array((file_bytes,))
+    t = {(mode, who, kind): 0.0 for mode in MODES for who in ("tier", "raw") for kind, _ in KINDS}
+    active = {"buffered": False, "odirect": probe_odirect(root)}
     drop_methods = set()
     for rep in range(reps):
-        tdir, rdir = os.path.join(root, f"tier-{rep}"), os.path.join(root, f"raw-{rep}")
-        os.makedirs(rdir)
         order = ("tier", "raw") if rep % 2 == 0 else ("raw", "tier")
-        for which in order:
-            if which == "tier":
-                dt, tier, metas = _tier_write(tdir, payloads, rng)
-                t["tier_write"] += dt
-            else:
-                dt, raw_paths = _raw_write(rdir, payloads, file_bytes, header)
-                t["raw_write"] += dt
-        tier_paths = [os.path.join(tdir, file_name(m.key)) for m in metas]
-        drop_methods.add(_drop_cache(tier_paths + raw_paths))
-        for which in order:
-            if which == "tier":
-                t["tier_read_cold"] += _tier_read(tier, metas, memoryview(buf))
-            else:
-                t["raw_read_cold"] += _raw_read(raw_paths, memoryview(raw_buf))
-        warm = {"tier": [], "raw": []}  # best of 3 passes each: the first may still meet late readahead
-        for _ in range(3):
-            for which in order:
-                if which == "tier":
-                    warm["tier"].append(_tier_read(tier, metas, memoryview(buf)))
+        for mode in MODES:
+            odirect = active[mode]
+            tdir, rdir = os.path.join(root, f"tier-{rep}-{mode}"), os.path.join(root, f"raw-{rep}-{mode}")
+            os.makedirs(rdir)
+            for who in order:
+                if who == "tier":
+                    dt, tier = _tier_write(tdir, payloads, metas, mode == "odirect")
                 else:
-                    warm["raw"].append(_raw_read(raw_paths, memoryview(raw_buf)))
-        t["tier_read_warm"] += min(warm["tier"])
-        t["raw_read_warm"] += min(warm["raw"])
-        # bytes check outside the timings (get() verified the checksum already)
-        for i in (0, n - 1):
-            tier.get(metas[i], [memoryview(buf)])
-            if not np.array_equal(buf, payloads[i]):
-                raise RuntimeError("L2 read back different bytes")
-        shutil.rmtree(tdir, ignore_errors=True)
-        shutil.rmtree(rdir, ignore_errors=True)
+                    dt, raw_paths = _raw_write(rdir, files, odirect)
+                t[mode, who, "write"] += dt
+            if tier.odirect_active != odirect:
+                raise RuntimeError("the tier and the probe disagree on O_DIRECT")
+            drop_methods.add(_drop_cache([os.path.join(tdir, file_name(m.key)) for m in metas] + raw_paths))
+
+            read = {"tier": partial(_tier_read, tier, metas, memoryview(buf)),
+                    "raw": partial(_raw_read, raw_paths, memoryview(raw_buf), odirect)}
+            for who in order:
+                t[mode, who, "read_cold"] += read[who]()
+            warm: dict[str, list[float]] = {"tier": [], "raw": []}  # best of 3: the first may meet late readahead
+            for _ in range(3):
+                for who in order:
+                    warm[who].append(read[who]())
+            for who in order:
+                t[mode, who, "read_warm"] += min(warm[who])
+            for i in (0, n - 1):  # bytes check outside the timings (get() verified the checksum already)
+                tier.get(metas[i], [memoryview(buf)])
+                if not np.array_equal(buf, files[i, off : off + size]):
+                    raise RuntimeError("L2 read back different bytes")
+            shutil.rmtree(tdir, ignore_errors=True)
+            shutil.rmtree(rdir, ignore_errors=True)
     total = reps * n * file_bytes
-    hash_t = time.perf_counter()
-    for i in range(min(n, 64)):
-        blake3.blake3(payloads[i]).digest()
-    hash_gbps = bc.gbps(min(n, 64) * size, time.perf_counter() - hash_t)
+    hashes = {}
+    for name, threads in (("1_thread", 1), ("auto", blake3.blake3.AUTO)):
+        start = time.perf_counter()
+        for p in payloads[:64]:
+            blake3.blake3(p, max_threads=threads).digest()
+        hashes[name] = bc.gbps(len(payloads[:64]) * size, time.perf_counter() - start)
 
-    def pair(kind: str) -> dict[str, float]:
-        fig, base = bc.gbps(total, t[f"tier_{kind}"]), bc.gbps(total, t[f"raw_{kind}"])
+    def pair(mode: str, kind: str) -> dict[str, float]:
+        tier_s, raw_s = t[mode, "tier", kind], t[mode, "raw", kind]
+        fig, base = bc.gbps(total, tier_s), bc.gbps(total, raw_s)
         return {"gbps": fig, "baseline_gbps": base, "ratio": fig / base if base else 0.0,
-                "seconds": t[f"tier_{kind}"], "baseline_seconds": t[f"raw_{kind}"]}
+                "seconds": tier_s, "baseline_seconds": raw_s}
 
-    return {"file_bytes": file_bytes, "bytes_per_phase": total, "cache_drop": sorted(drop_methods),
-            "write": pair("write"), "read_cold": pair("read_cold"), "read_warm": pair("read_warm"),
-            "blake3_single_thread_gbps": hash_gbps}
+    out: dict[str, Any] = {"file_bytes": file_bytes, "bytes_per_phase": total, "cache_drop": sorted(drop_methods),
+                           "blake3_gbps": hashes}
+    for mode in MODES:
+        out[mode] = {"odirect_active": active[mode], **{kind: pair(mode, kind) for kind, _ in KINDS}}
+    return out
 
 
 # -- promotion vs L1 hit ---------------------------------------------------------------------------
@@ -270,17 +281,28 @@ def bench_lookup(root: str, n: int, size: int, rng: np.random.Generator) -> dict
     files = [e.path for e in os.scandir(l2dir) if e.name.endswith(".kv")]
     drop = _drop_cache(files)
     server = bc.start_server(l1_gb, extra)
-    promote, hit = [], []
+    promote, hit, reply = [], [], []
+
+    def fetch(tokens: np.ndarray, tier: str) -> float:
+        """lookup + acquire (+ release) of the prompt's chunk, as the connector does; the acquire waits for
+        a promotion in flight. Returns the time of the lookup reply alone."""
+        t0 = time.perf_counter()
+        found = c.lookup(ns, tokens)
+        t1 = time.perf_counter()
+        if [h.tier for h in found.hits] != [tier]:
+            raise RuntimeError(f"expected one {tier} hit, got {found.hits}")
+        if c.retrieve_chunks(ns, found.hits, lambda _chunk: None) != len(found.hits[0].chunk.block_keys):
+            raise RuntimeError(f"acquire after a {tier} hit failed")
+        return t1 - t0
+
     try:
         c = connect(server.url)
         for tokens in prompts:
             t0 = time.perf_counter()
-            first = c.lookup(ns, tokens)
+            reply.append(fetch(tokens, "l2"))
             t1 = time.perf_counter()
-            second = c.lookup(ns, tokens)
+            fetch(tokens, "l1")
             t2 = time.perf_counter()
-            if [h.tier for h in first.hits] != ["l2"] or [h.tier for h in second.hits] != ["l1"]:
-                raise RuntimeError(f"unexpected tiers: {first.hits} then {second.hits}")
             promote.append(t1 - t0)
             hit.append(t2 - t1)
         promoted = (c.stats() or {}).get("l2_promoted", 0)
@@ -289,7 +311,7 @@ def bench_lookup(root: str, n: int, size: int, rng: np.random.Generator) -> dict
         server.stop()
     p, h = bc.percentiles(promote), bc.percentiles(hit)
     return {"chunks": n, "chunk_bytes": size, "cache_drop": drop, "promoted": promoted,
-            "promote_lookup": p, "l1_hit_lookup": h,
+            "promote_lookup": p, "l1_hit_lookup": h, "l2_lookup_reply": bc.percentiles(reply),
             "promotion_cost_us_p50": p["p50_us"] - h["p50_us"],
             "promotion_gbps_p50": size / ((p["p50_us"] - h["p50_us"]) * 1e3) if p["p50_us"] > h["p50_us"] else 0.0}
 
@@ -314,33 +336,37 @@ def run(args: argparse.Namespace) -> int:
         if own:
             with contextlib.suppress(OSError):
                 os.rmdir(root)
+    figures, baselines, ratios = {}, {}, {}
+    for mode in MODES:
+        prefix = "" if mode == "buffered" else "odirect_"
+        for kind, _ in KINDS:
+            row = io[mode][kind]
+            figures[f"{prefix}{kind}_gbps"] = row["gbps"]
+            baselines[f"{prefix}{kind}_gbps"] = row["baseline_gbps"]
+            ratios[f"{prefix}{kind}"] = row["ratio"]
+    figures["promote_lookup_p50_us"] = lk["promote_lookup"]["p50_us"]
+    baselines["l1_hit_lookup_p50_us"] = lk["l1_hit_lookup"]["p50_us"]
     result = {
         "bench": "l2",
         "machine": bc.machine(),
         "dir": root,
         "filesystem": filesystem,
         "chunks": n, "chunk_bytes": size, "reps": args.reps,
-        "odirect": ODIRECT_NOTE,
+        "odirect_active": io["odirect"]["odirect_active"],
         "io": io,
         "lookup": lk,
         "figure": {"name": "L2 write GB/s (L2Writer + FsTier: copy, checksum, temp file, fsync, rename, dir fsync)",
-                   "value": io["write"]["gbps"]},
+                   "value": io["buffered"]["write"]["gbps"]},
         "baseline": {"name": "raw os.write + fsync GB/s of files of the same sizes, same disk, same run",
-                     "value": io["write"]["baseline_gbps"]},
-        "figures": {
-            "write_gbps": io["write"]["gbps"], "read_cold_gbps": io["read_cold"]["gbps"],
-            "read_warm_gbps": io["read_warm"]["gbps"],
-            "promote_lookup_p50_us": lk["promote_lookup"]["p50_us"],
-        },
-        "baselines": {
-            "write_gbps": io["write"]["baseline_gbps"], "read_cold_gbps": io["read_cold"]["baseline_gbps"],
-            "read_warm_gbps": io["read_warm"]["baseline_gbps"],
-            "l1_hit_lookup_p50_us": lk["l1_hit_lookup"]["p50_us"],
-        },
+                     "value": io["buffered"]["write"]["baseline_gbps"]},
+        "ratio": io["buffered"]["write"]["ratio"],
+        "figures": figures,
+        "baselines": baselines,
+        "ratios": ratios,
     }
-    result["ratio"] = io["write"]["ratio"]
-    result["ratios"] = {"write": io["write"]["ratio"], "read_cold": io["read_cold"]["ratio"],
-                        "read_warm": io["read_warm"]["ratio"]}
+    if args.plot:
+        _plot(result, args.plot)
+        result["plot"] = args.plot
     bc.emit(result, args.json, _text(result))
     return 0
 
@@ -348,29 +374,76 @@ def run(args: argparse.Namespace) -> int:
 def _text(r: dict[str, Any]) -> str:
     fs, io, lk = r["filesystem"], r["io"], r["lookup"]
     warm_note = "" if any(m != "none (page-cache-warm)" for m in io["cache_drop"]) else \
-        " (could not drop the page cache: cold reads are page-cache-warm for both)"
+        " (could not drop the page cache: buffered cold reads are page-cache-warm for both)"
+    odirect = "O_DIRECT" if r["odirect_active"] else "O_DIRECT refused here (EINVAL): buffered fallback"
     lines = [
         f"kvtier bench l2: {r['chunks']} x {r['chunk_bytes'] / MiB:g} MiB chunks ({io['file_bytes']} B files), "
         f"{r['reps']} reps, dir {r['dir']} on {fs['fstype']} ({fs['device']}, mounted {fs['mount']})",
         f"GB/s = 1e9 B/s of file bytes. Page cache dropped before cold reads with: "
         f"{', '.join(io['cache_drop'])}{warm_note}",
-        f"NOTE: {r['odirect']}",
-        f"  {'':34}{'L2 path':>10}{'raw':>10}{'ratio':>9}",
+        f"  {'':40}{'L2 path':>10}{'raw':>10}{'ratio':>9}",
     ]
-    for key, name in (("write", "write + fsync"), ("read_cold", "read, page cache dropped"),
-                      ("read_warm", "read, page-cache warm")):
-        row = io[key]
-        lines.append(f"  {name:34}{row['gbps']:10.2f}{row['baseline_gbps']:10.2f}{row['ratio']:8.2f}x")
-    lines.append(f"  BLAKE3 single-thread hash of a chunk (the read path's verification): "
-                 f"{io['blake3_single_thread_gbps']:.2f} GB/s")
+    for mode, title in (("buffered", "buffered"), ("odirect", odirect)):
+        for kind, name in KINDS:
+            row = io[mode][kind]
+            label = f"{title}: {name}"
+            lines.append(f"  {label:40}{row['gbps']:10.2f}{row['baseline_gbps']:10.2f}{row['ratio']:8.2f}x")
+    lines.append(f"  BLAKE3 of a chunk: {io['blake3_gbps']['1_thread']:.2f} GB/s single-threaded, "
+                 f"{io['blake3_gbps']['auto']:.2f} GB/s with max_threads=AUTO (the tier hashes single-threaded)")
     lines.append(
-        f"lookup of one {lk['chunk_bytes'] / MiB:g} MiB chunk after a server restart (p50 of {lk['chunks']}, "
-        f"page cache: {lk['cache_drop']}): promoting from L2 {lk['promote_lookup']['p50_us']:.0f} us "
+        f"lookup + acquire of one {lk['chunk_bytes'] / MiB:g} MiB chunk after a server restart (p50 of "
+        f"{lk['chunks']}, page cache: {lk['cache_drop']}; the L2 hit's lookup reply alone "
+        f"{lk['l2_lookup_reply']['p50_us']:.0f} us): promoting from L2 {lk['promote_lookup']['p50_us']:.0f} us "
         f"(p99 {lk['promote_lookup']['p99_us']:.0f}), L1 hit {lk['l1_hit_lookup']['p50_us']:.0f} us "
         f"(p99 {lk['l1_hit_lookup']['p99_us']:.0f}); promotion costs {lk['promotion_cost_us_p50']:.0f} us "
         f"= {lk['promotion_gbps_p50']:.2f} GB/s")
     lines.append(f"\nFIGURE   {r['figure']['name']}: {r['figure']['value']:.2f} GB/s")
     lines.append(f"BASELINE {r['baseline']['name']}: {r['baseline']['value']:.2f} GB/s")
-    lines.append(f"RATIO    write {r['ratios']['write']:.2f}x, cold read {r['ratios']['read_cold']:.2f}x, "
-                 f"warm read {r['ratios']['read_warm']:.2f}x (goal >= 0.8x)")
+    q = r["ratios"]
+    lines.append(f"RATIO    buffered: write {q['write']:.2f}x, cold read {q['read_cold']:.2f}x, warm read "
+                 f"{q['read_warm']:.2f}x; O_DIRECT: write {q['odirect_write']:.2f}x, read {q['odirect_read_cold']:.2f}x"
+                 f" / {q['odirect_read_warm']:.2f}x (goal >= 0.8x)")
+    if "plot" in r:
+        lines.append(f"plot: {r['plot']}")
     return "\n".join(lines)
+
+
+def _plot(r: dict[str, Any], path: str) -> None:
+    """GB/s of the L2 path beside the raw baseline for each row, ratio on top; lookup latencies beside."""
+    plt = bc.plotting()
+    if plt is None:
+        print(f"(matplotlib not installed: no plot written to {path})")
+        return
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    io, lk = r["io"], r["lookup"]
+    rows = [(f"{'buffered' if mode == 'buffered' else 'O_DIRECT'}\n{name}", io[mode][kind])
+            for mode in MODES for kind, name in KINDS]
+    fig, (ax, ax_lk) = plt.subplots(1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [3.2, 1]})
+    xs = np.arange(len(rows))
+    width = 0.38
+    ax.bar(xs - width / 2, [row["gbps"] for _, row in rows], width, label="L2 tier (FsTier / L2Writer)")
+    ax.bar(xs + width / 2, [row["baseline_gbps"] for _, row in rows], width, label="raw file I/O, same bytes")
+    for x, (_, row) in zip(xs, rows, strict=True):
+        top = max(row["gbps"], row["baseline_gbps"])
+        ax.annotate(f"{row['ratio']:.2f}x", (x, top), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
+    ax.set_xticks(xs, [label for label, _ in rows], fontsize=8)
+    ax.set_ylabel("GB/s (1e9 B/s of file bytes)")
+    ax.set_ylim(0, max(max(row["gbps"], row["baseline_gbps"]) for _, row in rows) * 1.15)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(f"L2 tier vs raw sequential file I/O, same disk, same run "
+                 f"({r['chunks']} x {r['chunk_bytes'] / MiB:g} MiB, {r['filesystem']['fstype']})", fontsize=10)
+    names = ("promote from L2", "L1 hit")
+    p50 = [lk["promote_lookup"]["p50_us"], lk["l1_hit_lookup"]["p50_us"]]
+    p99 = [lk["promote_lookup"]["p99_us"], lk["l1_hit_lookup"]["p99_us"]]
+    ax_lk.bar(names, p50, 0.6, color=["tab:blue", "tab:orange"], label="p50")
+    ax_lk.scatter(names, p99, color="k", marker="_", s=300, label="p99")
+    ax_lk.set_ylabel("lookup + acquire, us")
+    ax_lk.set_ylim(bottom=0)
+    ax_lk.grid(axis="y", alpha=0.3)
+    ax_lk.legend(fontsize=8)
+    ax_lk.set_title(f"lookup of one {r['chunk_bytes'] / MiB:g} MiB chunk", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -46,7 +46,7 @@ class ServerConfig:
     log_level: str = _opt("info", "log level", choices=["debug", "info", "warning", "error"])
     l2_path: str = _opt("", "directory of the L2 filesystem tier (empty: no L2)")
     l2_size_gb: float = _opt(10.0, "L2 capacity in GiB (chunk files, headers included)")
-    l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (accepted; writes are buffered for now)")
+    l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (aligned buffers; buffered if the filesystem refuses it)")
     l2_queue_depth: int = _opt(1024, "chunks the L2 write-behind queue holds before L2 copies are dropped")
 
     @property

@@ -2,8 +2,8 @@
 filesystem L2 tier: one file per chunk (see l2_format), an in-memory index rebuilt by a start-up scan of
 names and headers, its own byte budget and LRU eviction.
 
-Thread safety: the write-behind worker calls `put`/`sync`; the serving loop calls `find`/`get`/`remove`.
-Every index mutation holds `self._lock`; file I/O of `put`/`get` runs outside it.
+Thread safety: the write-behind threads call `prepare`/`put`/`sync`; the serving loop calls `find`/`remove`
+and the promotion threads `get`. Every index mutation holds `self._lock`; file I/O runs outside it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ class TierAdapter(ABC):
     """A chunk store below L1, keyed by chunk key; values are (metadata, payload bytes)."""
 
     name: str
+
+    def prepare(self, meta: ChunkMeta, payload):  # noqa: ANN201 - whatever `put` takes
+        """CPU work of a put that can overlap the previous put's I/O (checksum, staging); the result is
+        passed to `put` instead of the payload. Default: nothing to do."""
+        del meta
+        return payload
 
     @abstractmethod
     def put(self, meta: ChunkMeta, payload) -> bool:
@@ -68,6 +74,9 @@ class TierAdapter(ABC):
 
 
 class FsTier(TierAdapter):
+    """`odirect` asks for O_DIRECT file I/O; `odirect_active` says whether the directory accepted it (a
+    filesystem that refuses it, tmpfs for one, gets one warning and buffered I/O)."""
+
     name = "l2"
 
     def __init__(
@@ -78,7 +87,10 @@ class FsTier(TierAdapter):
         self.path = os.path.abspath(path)
         os.makedirs(self.path, exist_ok=True)
         self._capacity = int(capacity_bytes)
-        self.odirect = odirect
+        self.odirect = odirect  # as configured
+        self.odirect_active = odirect and fmt.probe_odirect(self.path)  # what the file I/O uses
+        if odirect and not self.odirect_active:
+            log.warning("L2 directory %s does not support O_DIRECT (EINVAL): using buffered I/O", self.path)
         self._on_evict = on_evict or (lambda _r: None)
         self._on_corrupt = on_corrupt or (lambda: None)
         self.progress_every = progress_every
@@ -138,24 +150,37 @@ class FsTier(TierAdapter):
 
     # -- adapter ---------------------------------------------------------------------------------
 
+    def prepare(self, meta: ChunkMeta, payload) -> fmt.Encoded:
+        return fmt.encode(meta, payload, self.odirect_active)
+
     def put(self, meta: ChunkMeta, payload) -> bool:
+        """Write a chunk (its bytes, or `prepare`'s result) unless it exists or exceeds the budget."""
         need = meta.file_bytes
-        with self._lock:
-            if meta.key in self._index:
-                self._index.move_to_end(meta.key)
-                return False
-            if need > self._capacity:
-                return False
-            while self._used + need > self._capacity and self._evict_one_locked("capacity"):
-                pass
-            self._used += need  # reserved before the write, so disk use never exceeds the budget
+        enc = payload if isinstance(payload, fmt.Encoded) else None
         try:
-            fmt.write_file(self.path, meta, payload, self.odirect)
-        except OSError:
-            log.exception("L2 write of %s failed", meta.key.hex())
             with self._lock:
-                self._used -= need
-            return False
+                if meta.key in self._index:
+                    self._index.move_to_end(meta.key)
+                    return False
+                if need > self._capacity:
+                    return False
+                while self._used + need > self._capacity and self._evict_one_locked("capacity"):
+                    pass
+                self._used += need  # reserved before the write, so disk use never exceeds the budget
+            try:
+                if enc is None:
+                    enc = self.prepare(meta, payload)
+                fmt.write_file(self.path, meta, enc)
+            except BaseException as exc:
+                with self._lock:
+                    self._used -= need
+                if not isinstance(exc, OSError):
+                    raise
+                log.exception("L2 write of %s failed", meta.key.hex())
+                return False
+        finally:
+            if enc is not None:
+                enc.release()
         with self._lock:
             self._index_add(meta)
             self._unsynced += 1
@@ -191,7 +216,7 @@ class FsTier(TierAdapter):
                 return False
             self._index.move_to_end(meta.key)
         try:
-            fmt.read_payload(self._file(meta.key), meta, list(bufs))
+            fmt.read_payload(self._file(meta.key), meta, list(bufs), self.odirect_active)
         except FileNotFoundError:
             self.remove(meta.key, "missing")
             return False

@@ -1,8 +1,11 @@
-"""Bounded write-behind queue from L1 to a lower tier, drained by one worker thread.
+"""Bounded write-behind queue from L1 to a lower tier, drained by a two-stage pipeline.
 
 `submit` never blocks: when the queue is full the lower-tier copy is dropped and counted (the L1 store
-has already succeeded). The worker takes each job's bytes (`job.copy()`), tells the job it is done with
-the source (`job.copied()`, which lets L1 free the pages), then writes them to the tier.
+has already succeeded). Stage one (thread "kvtier-l2-writer") takes each job's bytes (`job.copy()`), tells
+the job it is done with the source (`job.copied()`, which lets L1 free the pages) and runs the tier's CPU
+work (`tier.prepare`: checksum, O_DIRECT staging). Stage two ("kvtier-l2-io") does the tier's file I/O
+(`tier.put`: write, fsync, rename). A hand-off of one job between them lets the hash of chunk i+1 run while
+chunk i is written and fsynced; BLAKE3 and the syscalls release the GIL, so the stages overlap.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +23,8 @@ from kvtier.server.l2_tier import TierAdapter
 
 log = logging.getLogger("kvtier.server.l2")
 
+HANDOFF = 1  # prepared jobs waiting for the I/O stage (each may hold a staging buffer of one chunk)
+
 
 @dataclass(slots=True)
 class WriteJob:
@@ -27,13 +33,17 @@ class WriteJob:
     copied: Callable[[], None]  # called once the source may be released (always, even on failure)
 
 
+_FAILED = object()  # stage one's result for a job whose copy or prepare raised
+
+
 class L2Writer:
     def __init__(self, tier: TierAdapter, depth: int, on_drop: Callable[[], None] | None = None) -> None:
         self.tier = tier
         self.depth = max(1, depth)
         self._queue: queue.Queue[WriteJob | None] = queue.Queue(maxsize=self.depth)
+        self._handoff: queue.Queue[tuple[WriteJob, Any] | None] = queue.Queue(maxsize=HANDOFF)
         self._on_drop = on_drop or (lambda: None)
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._pending = 0  # jobs accepted and not yet written and synced
         self._stopping = False
@@ -72,23 +82,27 @@ class L2Writer:
         self._on_drop()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvtier-l2-writer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run_prepare, name="kvtier-l2-writer", daemon=True),
+                         threading.Thread(target=self._run_io, name="kvtier-l2-io", daemon=True)]
+        for t in self._threads:
+            t.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Finish queued writes (up to `timeout` seconds), then stop the worker."""
+        """Finish queued writes (up to `timeout` seconds), then stop the worker threads."""
         self._stopping = True
-        if self._thread is None:
+        if not self._threads:
             self.run_pending()
             return
+        deadline = time.monotonic() + timeout
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
             log.warning("L2 writer still busy at shutdown: %d queued writes abandoned", self.queue_depth)
-        self._thread.join(timeout)
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
 
     def run_pending(self) -> int:
-        """Process every queued job in the calling thread (tests, or shutdown without a worker)."""
+        """Process every queued job in the calling thread (tests, or shutdown without workers)."""
         n = 0
         while True:
             try:
@@ -97,43 +111,65 @@ class L2Writer:
                 break
             if job is None:
                 break
-            self._process(job)
+            self._write(job, self._prepare(job))
             n += 1
         self._sync()
         with self._lock:
             self._pending -= n
         return n
 
-    def _run(self) -> None:
+    # -- stages ----------------------------------------------------------------------------------
+
+    def _run_prepare(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                self._handoff.put(None)
+                return
+            self._handoff.put((job, self._prepare(job)))
+
+    def _run_io(self) -> None:
         while True:
             try:
-                job = self._queue.get(timeout=0.2)
+                item = self._handoff.get(timeout=0.2)
             except queue.Empty:
                 self._sync()
                 continue
-            if job is None:
+            if item is None:
                 self._sync()
                 return
-            self._process(job)
-            if self._queue.empty():
+            self._write(*item)
+            with self._lock:
+                last = self._pending == 1
+            if last:  # nothing else accepted: make this burst durable before it stops counting
                 self._sync()
             with self._lock:
                 self._pending -= 1
+
+    def _prepare(self, job: WriteJob) -> Any:
+        try:
+            try:
+                payload = job.copy()
+            finally:
+                job.copied()
+            return self.tier.prepare(job.meta, payload)
+        except Exception:  # the workers must survive any one bad write
+            log.exception("L2 write of %s failed", job.meta.key.hex())
+            return _FAILED
+
+    def _write(self, job: WriteJob, prepared: Any) -> None:
+        if prepared is _FAILED:
+            self.failed += 1
+            return
+        try:
+            if self.tier.put(job.meta, prepared):
+                self.done += 1
+        except Exception:
+            self.failed += 1
+            log.exception("L2 write of %s failed", job.meta.key.hex())
 
     def _sync(self) -> None:
         try:
             self.tier.sync()
         except OSError:
             log.exception("L2 directory fsync failed")
-
-    def _process(self, job: WriteJob) -> None:
-        try:
-            try:
-                payload = job.copy()
-            finally:
-                job.copied()
-            if self.tier.put(job.meta, payload):
-                self.done += 1
-        except Exception:  # the worker must survive any one bad write
-            self.failed += 1
-            log.exception("L2 write of %s failed", job.meta.key.hex())

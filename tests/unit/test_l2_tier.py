@@ -55,7 +55,7 @@ def test_format_round_trip_and_split_buffers(tmp_path):
 def test_flipped_bytes_are_detected(tmp_path, where):
     m = meta(2)
     path = fmt.write_file(str(tmp_path), m, payload(2))
-    offset = {"payload": m.header_len + 17, "header": 21, "checksum": m.header_len - 3}[where]
+    offset = {"payload": m.data_offset + 17, "header": 21, "checksum": m.header_len - 3}[where]
     with open(path, "r+b") as fh:
         fh.seek(offset)
         b = fh.read(1)
