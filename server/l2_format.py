@@ -24,11 +24,13 @@ import contextlib
 import errno
 import mmap
 import os
+import queue
 import re
 import struct
 import threading
 import zlib
 from collections.abc import Sequence
+from concurrent import futures
 from dataclasses import dataclass
 
 import blake3
@@ -46,6 +48,8 @@ MAX_ALIASES = 4096
 MAX_HEADER = _FIXED.size + 2 * KEY_BYTES + MAX_ALIASES * KEY_BYTES + _CRC.size + CHECKSUM_BYTES
 HASH_PIECE = 1 << 20  # staged O_DIRECT writes copy then hash this much at a time, while it is in cache
 FREE_STAGING = 4  # staging buffers kept for reuse (the writer pipeline holds at most three)
+READ_PIECE = 1 << 20  # payload bytes per read request: a 2 MiB chunk is read as two, hashed as each lands
+READ_THREADS = 8  # loads reading at once (one thread each)
 
 _HEX = 2 * KEY_BYTES
 NAME_RE = re.compile(rf"^([0-9a-f]{{{_HEX}}})\.kv$")
@@ -90,8 +94,9 @@ def temp_name(key: bytes) -> str:
 
 
 def hasher(data=b"") -> blake3.blake3:
-    """BLAKE3 on every core (it releases the GIL): a 2 MiB chunk hashes ~1.8x faster on two cores."""
-    return blake3.blake3(data, max_threads=blake3.blake3.AUTO)
+    """Single-threaded BLAKE3 (it releases the GIL). Pieces are hashed while a reader thread or the I/O stage
+    works; BLAKE3's own threads would take the cores those need (measured slower on reads on two cores)."""
+    return blake3.blake3(data)
 
 
 def _is_aligned(buf) -> bool:
@@ -129,45 +134,49 @@ def _staging(nbytes: int) -> mmap.mmap:
 
 @dataclass(slots=True)
 class Encoded:
-    """A chunk file's bytes ready to write (`FsTier.prepare`): `parts` in order, either header + padding,
-    payload and tail padding (buffered), or one staged, page-aligned buffer of the whole file (O_DIRECT)."""
+    """A chunk file's bytes ready to write (`encode`): one page-aligned staging buffer laid out as the file,
+    written with O_DIRECT when `odirect`."""
 
     meta: ChunkMeta
-    parts: list
-    staged: mmap.mmap | None = None
+    staged: mmap.mmap | None
+    odirect: bool
+
+    def view(self) -> memoryview:
+        return memoryview(self.staged)[: self.meta.file_bytes]
 
     def release(self) -> None:
         """Give the staging buffer back for reuse (once written or abandoned)."""
-        buf, self.staged, self.parts = self.staged, None, []
+        buf, self.staged = self.staged, None
         if buf is not None:
             with _free_lock:
                 if len(_free) < FREE_STAGING:
                     _free.append(buf)
 
 
-def encode(meta: ChunkMeta, payload, odirect: bool = False) -> Encoded:
-    """Checksum a chunk (BLAKE3 of the header fields and the payload). With `odirect` the payload is copied
-    into a page-aligned staging buffer piece by piece, each piece hashed from the copy while in cache."""
-    src = memoryview(payload).cast("B")
-    if len(src) != meta.size:
+def encode(meta: ChunkMeta, sources: Sequence, odirect: bool = False) -> Encoded:
+    """Copy a chunk's bytes (`sources`, buffers in order) into a staging buffer laid out as its file and
+    checksum them (BLAKE3 of the header fields, then the payload), each HASH_PIECE hashed from the copy
+    while it is in cache. The result owns its bytes: the sources may be released once this returns."""
+    srcs = [np.frombuffer(s, dtype=np.uint8) for s in sources]
+    if sum(len(s) for s in srcs) != meta.size:
         raise ValueError("payload size does not match the chunk metadata")
     fields = _header_fields(meta)
     h = hasher(fields)
-    start, end = meta.data_offset, meta.data_offset + meta.size
-    if not odirect:
-        h.update(src)
-        head = fields + h.digest()
-        return Encoded(meta, [head + bytes(start - len(head)), src, bytes(meta.file_bytes - end)])
     buf = _staging(meta.file_bytes)
-    dst = memoryview(buf)
-    for off in range(0, meta.size, HASH_PIECE):
-        piece = dst[start + off : min(start + off + HASH_PIECE, end)]
-        piece[:] = src[off : off + len(piece)]
-        h.update(piece)
-    head = fields + h.digest()
-    dst[:start] = head + bytes(start - len(head))
-    dst[end : meta.file_bytes] = bytes(meta.file_bytes - end)
-    return Encoded(meta, [dst[: meta.file_bytes]], buf)
+    dst = np.frombuffer(buf, dtype=np.uint8, count=meta.file_bytes)
+    pos = start = meta.data_offset
+    for src in srcs:
+        for off in range(0, len(src), HASH_PIECE):
+            part = src[off : off + HASH_PIECE]
+            piece = dst[pos : pos + len(part)]
+            np.copyto(piece, part)  # releases the GIL, so the I/O stage runs meanwhile
+            h.update(piece)
+            pos += len(part)
+    head = np.frombuffer(fields + h.digest(), dtype=np.uint8)
+    dst[: len(head)] = head
+    dst[len(head) : start] = 0
+    dst[pos:] = 0
+    return Encoded(meta, buf, odirect)
 
 
 def decode_header(buf: bytes) -> tuple[ChunkMeta, bytes, bytes]:
@@ -216,17 +225,17 @@ def read_meta(path: str) -> ChunkMeta:
 def write_file(directory: str, meta: ChunkMeta, payload, odirect: bool = False) -> str:
     """Write a chunk file crash-safely (temp name, fsync, rename); returns its final path.
 
-    `payload` is the chunk's bytes or an `Encoded` of them; a staged `Encoded` (or `odirect` with bytes) is
-    written with O_DIRECT. The caller fsyncs the directory (batched) to make the rename durable.
+    `payload` is the chunk's bytes or an `Encoded` of them (whose `odirect` then decides). The caller fsyncs
+    the directory (batched) to make the rename durable.
     """
-    enc = payload if isinstance(payload, Encoded) else encode(meta, payload, odirect)
+    enc = payload if isinstance(payload, Encoded) else encode(meta, [payload], odirect)
     try:
-        direct = os.O_DIRECT if enc.staged is not None else 0
+        direct = os.O_DIRECT if enc.odirect else 0
         tmp = os.path.join(directory, temp_name(meta.key))
         final = os.path.join(directory, file_name(meta.key))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | direct, 0o600)
         try:
-            _write_all(fd, [memoryview(p).cast("B") for p in enc.parts])
+            _write_all(fd, enc.view())
             os.fsync(fd)
         except BaseException:
             os.close(fd)
@@ -240,15 +249,9 @@ def write_file(directory: str, meta: ChunkMeta, payload, odirect: bool = False) 
     return final
 
 
-def _write_all(fd: int, views: list[memoryview]) -> None:
-    views = [v for v in views if len(v)]
-    while views:
-        n = os.writev(fd, views)
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def probe_odirect(directory: str) -> bool:
@@ -272,11 +275,13 @@ def probe_odirect(directory: str) -> bool:
 def read_payload(path: str, meta: ChunkMeta, bufs: Sequence[memoryview], odirect: bool = False) -> None:
     """Read a file's payload into the writable byte buffers `bufs` (meta.size bytes in all, in order) and
     verify its checksum, hashed from `bufs` themselves (no copy). CorruptChunk when the header changed, the
-    size is off, the padding is not zero or the checksum mismatches.
+    size is off, the padding is not zero or the checksum mismatches; `bufs` then hold junk to drop.
 
-    With `odirect` the payload is read with O_DIRECT straight into `bufs` when they allow it (page-aligned,
+    A `kvtier-l2-read` thread reads the file in order as requests of up to READ_PIECE bytes (the header, the
+    payload straight into `bufs`, the tail) while the caller hashes each payload piece as it lands, so the
+    hash overlaps the disk. With `odirect` the reads use O_DIRECT when `bufs` allow it (page-aligned,
     every length but the last a multiple of ALIGN: L1 pages do); the last partial block goes through a small
-    aligned bounce buffer. Other buffers, or a refused open, get a buffered read.
+    aligned bounce buffer. Other buffers, or a refused open, get buffered reads.
     """
     bufs = [memoryview(b).cast("B") for b in bufs]
     if sum(len(b) for b in bufs) != meta.size:
@@ -295,30 +300,89 @@ def read_payload(path: str, meta: ChunkMeta, bufs: Sequence[memoryview], odirect
     try:
         if os.fstat(fd).st_size != meta.file_bytes:
             raise CorruptChunk("file size changed since the scan")
-        # One vectored read of the whole file (one disk request under O_DIRECT): header, the payload straight
-        # into `bufs` (whole blocks of them under O_DIRECT), then the last block or the tail padding via
-        # `bounce`. A file that does not verify leaves junk in `bufs`; the caller drops them.
         start = meta.data_offset
         bounce = memoryview(mmap.mmap(-1, start + ALIGN) if direct else bytearray(start + ALIGN))
         whole = [len(b) - len(b) % ALIGN for b in bufs] if direct else [len(b) for b in bufs]
         tail_len = meta.file_bytes - start - sum(whole)
         tail = bounce[start : start + tail_len]
-        _read_exact(fd, [bounce[:start], *(b[:n] for b, n in zip(bufs, whole, strict=True)), tail])
-        disk_meta, fields, digest = decode_header(bounce[:start])
-        if disk_meta != meta:
-            raise CorruptChunk("header changed since the scan")
-        _zeros(bounce[meta.header_len : start])
+        payload = _pieces([b[:n] for b, n in zip(bufs, whole, strict=True)])
+        # the header rides with the first piece, the tail with the last: every request carries payload
+        requests = [list(p) for p in payload] or [[]]
+        requests[0].insert(0, bounce[:start])
+        if tail_len:
+            requests[-1].append(tail)
+        landed: queue.SimpleQueue[int | BaseException] = queue.SimpleQueue()
+        reader = _read_pool().submit(_read_in_order, fd, requests, landed)
+        try:
+            h = None
+            for piece in payload or [[]]:
+                _wait_landed(landed)
+                if h is None:
+                    disk_meta, fields, digest = decode_header(bounce[:start])
+                    if disk_meta != meta:
+                        raise CorruptChunk("header changed since the scan")
+                    _zeros(bounce[meta.header_len : start])
+                    h = hasher(fields)
+                for view in piece:
+                    h.update(view)
+        finally:
+            futures.wait([reader])  # no read may outlive the descriptor
         last = bufs[-1]
         rest = len(last) - whole[-1]
         last[whole[-1] :] = tail[:rest]
         _zeros(tail[rest:])
+        h.update(last[whole[-1] :])
     finally:
         os.close(fd)
-    h = hasher(fields)
-    for buf in bufs:
-        h.update(buf)
     if h.digest() != digest:
         raise CorruptChunk("checksum mismatch")
+
+
+_pool: futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _read_pool() -> futures.ThreadPoolExecutor:
+    """The read threads, started on first use (a server without L2 never has them)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = futures.ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kvtier-l2-read")
+        return _pool
+
+
+def _read_in_order(fd: int, requests: list[list[memoryview]], landed: queue.SimpleQueue) -> None:
+    """Read thread: fill each request in file order from offset 0, reporting each one's index as it lands
+    (or the error that stopped the reads)."""
+    offset = 0
+    try:
+        for i, views in enumerate(requests):
+            _read_exact(fd, views, offset)
+            offset += sum(len(v) for v in views)
+            landed.put(i)
+    except BaseException as exc:  # handed to the caller, which raises it
+        landed.put(exc)
+
+
+def _wait_landed(landed: queue.SimpleQueue) -> None:
+    item = landed.get()
+    if isinstance(item, BaseException):
+        raise item
+
+
+def _pieces(views: list[memoryview]) -> list[list[memoryview]]:
+    """`views` regrouped, in order, into requests of at most READ_PIECE bytes (small views share one)."""
+    out: list[list[memoryview]] = []
+    room = 0
+    for view in views:
+        while len(view):
+            if room == 0:
+                out.append([])
+                room = READ_PIECE
+            part, view = view[:room], view[room:]
+            out[-1].append(part)
+            room -= len(part)
+    return out
 
 
 def _zeros(view: memoryview) -> None:
@@ -326,9 +390,9 @@ def _zeros(view: memoryview) -> None:
         raise CorruptChunk("nonzero padding")
 
 
-def _read_exact(fd: int, views: list[memoryview]) -> None:
-    """Fill `views` in order from the start of the file (O_DIRECT: aligned views read whole blocks)."""
-    views, offset = [v for v in views if len(v)], 0
+def _read_exact(fd: int, views: list[memoryview], offset: int) -> None:
+    """Fill `views` in order from file `offset` (O_DIRECT: aligned views read whole blocks)."""
+    views = [v for v in views if len(v)]
     while views:
         n = os.preadv(fd, views[:1024], offset)  # IOV_MAX
         if n <= 0:

@@ -216,12 +216,10 @@ class L2Service:
             return
         meta = ChunkMeta(entry.key, entry.ns, entry.blocks, entry.aliases, entry.size)
         self.store._add_readers(entry, 1)
-        job = WriteJob(meta, lambda: self._copy_out(entry), lambda: self._call_soon(self._release, entry))
+        job = WriteJob(meta, lambda: self._views(entry.extents, entry.size),
+                       lambda: self._call_soon(self._release, entry))
         if not self.writer.submit(job):
             self.store._add_readers(entry, -1)
-
-    def _copy_out(self, entry: Entry) -> bytes:
-        return b"".join(bytes(v) for v in self._views(entry.extents, entry.size))
 
     def _views(self, extents, size: int) -> list[memoryview]:
         ps, out, left = self.page_size, [], size

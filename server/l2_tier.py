@@ -29,11 +29,12 @@ class TierAdapter(ABC):
 
     name: str
 
-    def prepare(self, meta: ChunkMeta, payload):  # noqa: ANN201 - whatever `put` takes
-        """CPU work of a put that can overlap the previous put's I/O (checksum, staging); the result is
-        passed to `put` instead of the payload. Default: nothing to do."""
+    def prepare(self, meta: ChunkMeta, sources: Sequence):  # noqa: ANN201 - whatever `put` takes
+        """Copy a chunk out of `sources` (its buffers, in order, released once this returns) and do the CPU
+        work of a put that can overlap the previous put's I/O; the result is passed to `put`. Default: the
+        bytes joined."""
         del meta
-        return payload
+        return b"".join(sources)
 
     @abstractmethod
     def put(self, meta: ChunkMeta, payload) -> bool:
@@ -150,8 +151,8 @@ class FsTier(TierAdapter):
 
     # -- adapter ---------------------------------------------------------------------------------
 
-    def prepare(self, meta: ChunkMeta, payload) -> fmt.Encoded:
-        return fmt.encode(meta, payload, self.odirect_active)
+    def prepare(self, meta: ChunkMeta, sources: Sequence) -> fmt.Encoded:
+        return fmt.encode(meta, sources, self.odirect_active)
 
     def put(self, meta: ChunkMeta, payload) -> bool:
         """Write a chunk (its bytes, or `prepare`'s result) unless it exists or exceeds the budget."""
@@ -169,7 +170,7 @@ class FsTier(TierAdapter):
                 self._used += need  # reserved before the write, so disk use never exceeds the budget
             try:
                 if enc is None:
-                    enc = self.prepare(meta, payload)
+                    enc = self.prepare(meta, [payload])
                 fmt.write_file(self.path, meta, enc)
             except BaseException as exc:
                 with self._lock:

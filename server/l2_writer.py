@@ -1,11 +1,12 @@
 """Bounded write-behind queue from L1 to a lower tier, drained by a two-stage pipeline.
 
 `submit` never blocks: when the queue is full the lower-tier copy is dropped and counted (the L1 store
-has already succeeded). Stage one (thread "kvtier-l2-writer") takes each job's bytes (`job.copy()`), tells
-the job it is done with the source (`job.copied()`, which lets L1 free the pages) and runs the tier's CPU
-work (`tier.prepare`: checksum, O_DIRECT staging). Stage two ("kvtier-l2-io") does the tier's file I/O
-(`tier.put`: write, fsync, rename). A hand-off of one job between them lets the hash of chunk i+1 run while
-chunk i is written and fsynced; BLAKE3 and the syscalls release the GIL, so the stages overlap.
+has already succeeded). Stage one (thread "kvtier-l2-writer") copies each job's bytes out of its sources
+with the tier's CPU work (`tier.prepare(meta, job.sources())`: one copy into a staging buffer, checksum),
+then tells the job it is done with them (`job.copied()`, which lets L1 free the pages). Stage two
+("kvtier-l2-io") does the tier's file I/O (`tier.put`: write, fsync, rename). A hand-off of one job between
+them lets the copy and hash of chunk i+1 run while chunk i is written and fsynced; numpy's copy, BLAKE3 and
+the syscalls release the GIL, so the stages overlap.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,8 @@ HANDOFF = 1  # prepared jobs waiting for the I/O stage (each may hold a staging 
 @dataclass(slots=True)
 class WriteJob:
     meta: ChunkMeta
-    copy: Callable[[], Any]  # returns the payload (a bytes-like copy of the chunk)
-    copied: Callable[[], None]  # called once the source may be released (always, even on failure)
+    sources: Callable[[], Sequence]  # the chunk's buffers in order (L1 pages), valid until `copied`
+    copied: Callable[[], None]  # called once the sources may be released (always, even on failure)
 
 
 _FAILED = object()  # stage one's result for a job whose copy or prepare raised
@@ -149,10 +150,9 @@ class L2Writer:
     def _prepare(self, job: WriteJob) -> Any:
         try:
             try:
-                payload = job.copy()
+                return self.tier.prepare(job.meta, job.sources())
             finally:
                 job.copied()
-            return self.tier.prepare(job.meta, payload)
         except Exception:  # the workers must survive any one bad write
             log.exception("L2 write of %s failed", job.meta.key.hex())
             return _FAILED

@@ -125,7 +125,7 @@ def test_writer_drops_when_full_and_always_releases(tmp_path):
     tier = FsTier(str(tmp_path), 1 << 30)
     drops, released = [], []
     writer = L2Writer(tier, 2, on_drop=lambda: drops.append(1))
-    jobs = [WriteJob(meta(i), (lambda i=i: payload(i)), (lambda i=i: released.append(i))) for i in range(3)]
+    jobs = [WriteJob(meta(i), (lambda i=i: [payload(i)]), (lambda i=i: released.append(i))) for i in range(3)]
     assert writer.submit(jobs[0]) and writer.submit(jobs[1])
     assert not writer.submit(jobs[2])
     assert drops == [1] and writer.dropped == 1 and writer.inflight == 2
