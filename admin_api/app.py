@@ -278,15 +278,23 @@ def create_app(daemon: Daemon) -> FastAPI:
 
     @app.post("/cache/clear", dependencies=mutating, summary="remove all chunks, a namespace's, or a tier's")
     async def clear(body: ClearRequest) -> dict:
-        if body.scope == "namespace":
-            assert body.namespace is not None
-            entries, nbytes = store.clear(namespace_fp(body.namespace))
-        elif body.scope == "tier" and body.tier != L1:
-            raise HTTPException(404, f"tier {body.tier} is not configured on this server")
-        else:
-            entries, nbytes = store.clear()
+        l2 = daemon.l2
+        fp = bytes.fromhex(body.namespace) if body.namespace is not None else None
+        tiers = {L1: body.scope != "tier" or body.tier == L1, "l2": body.scope != "tier" or body.tier == "l2"}
+        if body.scope == "tier" and body.tier == "l2" and l2 is None:
+            raise HTTPException(404, "tier l2 is not configured on this server")
+        registered = fp is None or fp in store.namespaces
+        if not registered and l2 is None:
+            raise HTTPException(404, f"namespace {body.namespace.lower()} is not registered")
+        done = {L1: store.clear(fp) if registered else (0, 0)} if tiers[L1] else {}
+        if l2 is not None and tiers["l2"]:
+            done["l2"] = await l2.clear(fp)
+            if not registered and done["l2"][0] == 0:
+                raise HTTPException(404, f"namespace {body.namespace.lower()} is neither registered nor in L2")
+        entries, nbytes = sum(n for n, _ in done.values()), sum(b for _, b in done.values())
         log.info("admin: cleared %d chunks (%d bytes), scope %s", entries, nbytes, body.scope)
         return {"cleared_entries": entries, "cleared_bytes": nbytes,
+                "tiers": {t: {"entries": n, "bytes": b} for t, (n, b) in done.items()},
                 "used_bytes": store.pool.used_pages * store.pool.page_size}
 
     def pin(body: PinRequest, delta: int) -> dict:

@@ -104,6 +104,7 @@ class Promotion:
     entry: Entry
     done: asyncio.Future[bool] | None  # set on the loop when finished (None without a loop)
     ok: bool | None = None
+    cleared: bool = False  # a cache clear came while it was reading: its pages go back, not into L1
 
 
 class L2Metrics:
@@ -354,7 +355,7 @@ class L2Service:
         else:
             self.promotion_failures += 1
             self.m.promotion_failures.inc()
-        self._settle(promo, ok)
+        self._settle(promo, ok and not promo.cleared)
         self.store._update_gauges()
 
     def _settle(self, promo: Promotion, ok: bool) -> None:
@@ -375,6 +376,18 @@ class L2Service:
         promo.ok = ok
         if promo.done is not None and not promo.done.done():
             promo.done.set_result(ok)
+
+    async def clear(self, ns: bytes | None = None) -> tuple[int, int]:
+        """Admin cache clear of L2 (every chunk, or namespace `ns`'s); returns (chunks, file bytes) removed.
+
+        On the loop, first: L2 writes still queued are dropped (all namespaces: they stay in L1) and
+        promotions in flight give their pages back instead of entering L1. The files go on a thread.
+        """
+        self.writer.invalidate()
+        for promo in self._promoting.values():
+            if ns is None or promo.meta.ns == ns:
+                promo.cleared = True
+        return await asyncio.to_thread(self.tier.clear, ns)
 
     def promotions(self, keys: Iterable[bytes]) -> Awaitable[Any] | None:
         """Something to await before acquiring `keys` while any of them is being promoted, else None."""
@@ -405,6 +418,7 @@ class L2Service:
             "l2_inflight": self.writer.inflight,
             "l2_written": getattr(t, "written", self.writer.done),
             "l2_dropped_writes": self.writer.dropped,
+            "l2_cleared_writes": self.writer.stale,
             "l2_corrupt_chunks": getattr(t, "corrupt", 0),
             "l2_evictions": getattr(t, "evicted", 0),
             "l2_promoted": self.promoted,

@@ -55,6 +55,10 @@ class TierAdapter(ABC):
     def remove(self, key: bytes, reason: str = "removed") -> bool: ...
 
     @abstractmethod
+    def clear(self, ns: bytes | None = None) -> tuple[int, int]:
+        """Remove every chunk, or those of namespace fingerprint `ns`; returns (chunks, bytes) removed."""
+
+    @abstractmethod
     def scan(self) -> int:
         """Rebuild the index from what the tier holds; returns the chunks found."""
 
@@ -242,6 +246,14 @@ class FsTier(TierAdapter):
         unlink_quiet(self._file(key))
         self._on_evict(reason)
         return True
+
+    def clear(self, ns: bytes | None = None) -> tuple[int, int]:
+        with self._lock:
+            gone = [self._index_drop(key) for key, m in list(self._index.items()) if ns is None or m.ns == ns]
+        for meta in gone:
+            unlink_quiet(self._file(meta.key))
+            self._on_evict("clear")
+        return len(gone), sum(m.file_bytes for m in gone)
 
     # -- start-up scan ---------------------------------------------------------------------------
 

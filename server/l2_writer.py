@@ -32,9 +32,11 @@ class WriteJob:
     meta: ChunkMeta
     sources: Callable[[], Sequence]  # the chunk's buffers in order (L1 pages), valid until `copied`
     copied: Callable[[], None]  # called once the sources may be released (always, even on failure)
+    epoch: int = 0  # the writer's epoch at submit (`L2Writer.invalidate`)
 
 
 _FAILED = object()  # stage one's result for a job whose copy or prepare raised
+_STALE = object()  # stage one's result for a job submitted before the last `invalidate`
 
 
 class L2Writer:
@@ -51,6 +53,8 @@ class L2Writer:
         self.dropped = 0
         self.done = 0
         self.failed = 0
+        self.stale = 0  # accepted jobs not kept because a clear came first
+        self.epoch = 0  # bumped by `invalidate`
 
     @property
     def queue_depth(self) -> int:
@@ -61,7 +65,12 @@ class L2Writer:
         """Jobs queued or being written (0 means every accepted write has finished and been synced)."""
         return self._pending
 
+    def invalidate(self) -> None:
+        """Cache clear: jobs already accepted are not written, or removed again if being written now."""
+        self.epoch += 1
+
     def submit(self, job: WriteJob) -> bool:
+        job.epoch = self.epoch
         if self._stopping:
             self._drop()
             return False
@@ -148,6 +157,9 @@ class L2Writer:
                 self._pending -= 1
 
     def _prepare(self, job: WriteJob) -> Any:
+        if job.epoch != self.epoch:
+            job.copied()
+            return _STALE
         try:
             try:
                 return self.tier.prepare(job.meta, job.sources())
@@ -161,9 +173,15 @@ class L2Writer:
         if prepared is _FAILED:
             self.failed += 1
             return
+        if prepared is _STALE:
+            self.stale += 1
+            return
         try:
             if self.tier.put(job.meta, prepared):
                 self.done += 1
+                if job.epoch != self.epoch:  # cleared while it was being written
+                    self.tier.remove(job.meta.key, "clear")
+                    self.stale += 1
         except Exception:
             self.failed += 1
             log.exception("L2 write of %s failed", job.meta.key.hex())

@@ -5,11 +5,14 @@ bandwidth shows up in stats, /metrics and lookup replies."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import select
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import blake3
@@ -201,4 +204,58 @@ def test_sigkilled_client_after_lookup_with_promotion_leaks_nothing(kvtier_serve
     assert after["entries"] == n and after["l2_promoted"] == n
     assert after["evictable_bytes"] == after["l1_used_bytes"] == n * 2 * after["page_size"]
     assert after["l1_free_pages"] * after["page_size"] + after["l1_used_bytes"] == after["l1_capacity_bytes"]
+    c.close()
+
+
+def post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_cache_clear_reaches_l2_by_scope(kvtier_server, tmp_path):
+    """/cache/clear with L2: scope tier=l1 leaves L2 (the next lookup promotes), tier=l2 leaves L1, a namespace
+    known only to L2 (after a restart) is cleared there, and scope all empties both tiers and their files."""
+    l2, http = tmp_path / "l2", free_port()
+    srv = kvtier_server(l1_gb=0.0625, extra=["--page-size-kb", "4", "--l2-path", str(l2), "--l2-size-gb", "1",
+                                             "--http-port", str(http)])
+    ns_b = dataclasses.replace(NS, model="org/tiny-l2-other")
+    p_a, p_b = prompt(70, 2 * NS.chunk_size), prompt(71, 2 * NS.chunk_size)
+    c = client(srv.url)
+    store_all(c, [p_a], 8192)
+    assert c.store(ns_b, p_b, lambda _c: 8192, lambda ch, span: span.write(0, payload_of(ch.key, 8192))).stored == 2
+    wait_for(lambda: c.stats()["l2_written"] >= 4 and c.stats()["l2_inflight"] == 0, timeout=60, what="L2 writes")
+
+    code, r = post(http, "/cache/clear", {"scope": "tier", "tier": "l1"})
+    assert code == 200 and set(r["tiers"]) == {"l1"} and r["tiers"]["l1"]["entries"] == 4, r
+    looked = c.lookup(NS, p_a)
+    assert [h.tier for h in looked.hits] == ["l2", "l2"] and read_checked(c, looked.hits) == 32
+
+    code, r = post(http, "/cache/clear", {"scope": "tier", "tier": "l2"})
+    assert code == 200 and r["tiers"]["l2"]["entries"] == 4 and "l1" not in r["tiers"], r
+    assert [h.tier for h in c.lookup(NS, p_a).hits] == ["l1", "l1"]  # promoted before the clear: L1 keeps it
+    assert sorted(os.listdir(l2)) == [] and c.stats()["l2_entries"] == 0
+    c.store(ns_b, p_b, lambda _c: 8192, lambda ch, span: span.write(0, payload_of(ch.key, 8192)))
+    wait_for(lambda: c.stats()["l2_entries"] == 2 and c.stats()["l2_inflight"] == 0, timeout=60, what="L2 writes")
+    c.close()
+
+    restart(srv)  # namespace B is now only in L2, registered by nobody
+    fp_b = ns_b.fingerprint().hex()
+    code, r = post(http, "/cache/clear", {"scope": "namespace", "namespace": fp_b})
+    assert code == 200 and r["tiers"] == {"l1": {"entries": 0, "bytes": 0}, "l2": r["tiers"]["l2"]}, r
+    assert r["tiers"]["l2"]["entries"] == 2 and r["cleared_entries"] == 2
+    code, r = post(http, "/cache/clear", {"scope": "namespace", "namespace": fp_b})
+    assert code == 404, r  # nothing left of it anywhere
+    c = client(srv.url)
+    assert c.lookup(ns_b, p_b).hits == []
+    store_all(c, [p_a], 8192)
+    code, r = post(http, "/cache/clear", {"scope": "all"})
+    assert code == 200 and r["tiers"]["l1"]["entries"] >= 2 and r["tiers"]["l2"]["entries"] >= 2, r
+    assert c.lookup(NS, p_a).hits == [] and os.listdir(l2) == []
+    s = c.stats()
+    assert s["l2_entries"] == 0 and s["l2_used_bytes"] == 0 and s["leases"] == 0
     c.close()

@@ -250,3 +250,32 @@ def test_multi_piece_read_into_many_pages_and_corruption_in_a_later_piece(tmp_pa
         fh.write(bytes([b[0] ^ 0x01]))
     assert read_back(tier, m, bufs) is None and tier.corrupt == 1
     assert not path.exists()
+
+
+def test_clear_by_namespace_removes_only_its_files_and_leaves_foreign_ones(tmp_path):
+    tier = FsTier(str(tmp_path), 1 << 30)
+    other = ChunkMeta(digest(b"other"), digest(b"ns-2"), 2, (), 5000)
+    mine = [meta(i, 3000) for i in range(3)]
+    for m in mine:
+        assert tier.put(m, payload(1, 3000))
+    assert tier.put(other, payload(2, 5000))
+    (tmp_path / "notes.txt").write_text("operator's")
+    assert tier.clear(digest(b"ns")) == (3, 3 * mine[0].file_bytes)
+    assert tier.entries == 1 and tier.used_bytes == other.file_bytes and tier.contains(other.key)
+    assert sorted(os.listdir(tmp_path)) == sorted([fmt.file_name(other.key), "notes.txt"])
+    assert tier.clear() == (1, other.file_bytes) and os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_invalidate_drops_jobs_accepted_before_it(tmp_path):
+    """A cache clear while writes are queued: none of them lands in L2, every source is released."""
+    tier = FsTier(str(tmp_path), 1 << 30)
+    writer = L2Writer(tier, 16)
+    released = []
+    jobs = [WriteJob(meta(i, 3000), lambda i=i: [payload(i, 3000)], lambda i=i: released.append(i)) for i in range(4)]
+    assert all(writer.submit(j) for j in jobs)
+    writer.invalidate()
+    late = WriteJob(meta(9, 3000), lambda: [payload(9, 3000)], lambda: released.append(9))
+    assert writer.submit(late)
+    assert writer.run_pending() == 5
+    assert writer.stale == 4 and writer.done == 1 and sorted(released) == [0, 1, 2, 3, 9]
+    assert os.listdir(tmp_path) == [fmt.file_name(late.meta.key)]
