@@ -124,15 +124,18 @@ def emit(result: dict[str, Any], as_json: bool, text: str) -> None:
     print(json.dumps(result, indent=2, sort_keys=True) if as_json else text)
 
 
-def plotting():  # noqa: ANN201 - matplotlib.pyplot or None
-    """matplotlib.pyplot with a file backend, or None when matplotlib is not installed (plots are optional)."""
+def plotting(path: str):  # noqa: ANN201 - matplotlib.pyplot or None
+    """matplotlib.pyplot with a file backend, ready to save at `path` (its directory made), or None, said on
+    stdout, when matplotlib is not installed (plots are optional)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        print(f"(matplotlib not installed: no plot written to {path})")
         return None
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     return plt
 
 

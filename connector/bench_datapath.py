@@ -403,11 +403,9 @@ def _text(result: dict[str, Any]) -> str:
 
 
 def _plot(rows: dict[str, Any], path: str) -> None:
-    plt = bc.plotting()
+    plt = bc.plotting(path)
     if plt is None:
-        print(f"(matplotlib not installed: no plot written to {path})")
         return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     sizes = sorted(rows, key=lambda k: rows[k]["chunk_bytes"])
     names = ["store copy, warm", "raw into shm, warm", "raw memcpy", "store e2e, warm", "retrieve copy, warm",
              "raw out of shm, warm", "retrieve e2e, warm", "store copy, cold pages", "raw into shm, cold"]

@@ -12,7 +12,6 @@ to 65,536 items (1 KiB pages so that 10^6 entries fit a sparse 1 GiB segment tha
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -291,11 +290,9 @@ def _text(r: dict[str, Any]) -> str:
 
 
 def _plot(r: dict[str, Any], path: str) -> None:
-    plt = bc.plotting()
+    plt = bc.plotting(path)
     if plt is None:
-        print(f"(matplotlib not installed: no plot written to {path})")
         return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     xs = [row["entries"] for row in r["levels"]]
     idle = r.get("idle")
     if idle:

@@ -434,11 +434,9 @@ def _text(r: dict[str, Any]) -> str:
 
 def _plot(r: dict[str, Any], path: str) -> None:
     """GB/s of the L2 path beside the raw baseline for each row, ratio on top; lookup latencies beside."""
-    plt = bc.plotting()
+    plt = bc.plotting(path)
     if plt is None:
-        print(f"(matplotlib not installed: no plot written to {path})")
         return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     io, lk = r["io"], r["lookup"]
     rows = [(f"{'buffered' if mode == 'buffered' else 'O_DIRECT'}\n{name}", io[mode][kind])
             for mode in MODES for kind, name in KINDS]
