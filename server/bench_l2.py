@@ -2,9 +2,9 @@
 bytes on the same disk, in the same run, buffered and with O_DIRECT, plus a lookup that promotes a chunk from
 L2 against an L1 hit.
 
-* write: N chunks through `L2Writer` + `FsTier` (the production write-behind path: copy out of the source
-  buffer, header + BLAKE3 checksum, temp file, write, fsync, rename, batched directory fsync), timed from
-  the first submit until `inflight == 0`; baseline: plain writes + fsync of files of the same sizes (the
+* write: N chunks through `L2Writer` + `FsTier` (the production write-behind path: one copy out of the
+  source into a staging buffer with the BLAKE3 checksum, temp file, write, fsync, rename, batched directory
+  fsync), timed from the first submit until `inflight == 0`; baseline: plain writes + fsync of files of the same sizes (the
   same file bytes, one directory fsync at the end).
 * read: `FsTier.get` as the server's promotion threads call it (PROMOTE_THREADS chunks at once, each read in
   1 MiB requests on a reader thread and hashed as it lands, header check + BLAKE3 verification) against one

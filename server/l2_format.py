@@ -46,7 +46,7 @@ _CRC = struct.Struct("<I")
 CHECKSUM_BYTES = 32
 MAX_ALIASES = 4096
 MAX_HEADER = _FIXED.size + 2 * KEY_BYTES + MAX_ALIASES * KEY_BYTES + _CRC.size + CHECKSUM_BYTES
-HASH_PIECE = 1 << 20  # staged O_DIRECT writes copy then hash this much at a time, while it is in cache
+HASH_PIECE = 1 << 20  # writes copy into the staging buffer, then hash, this much at a time (in cache)
 FREE_STAGING = 4  # staging buffers kept for reuse (the writer pipeline holds at most three)
 READ_PIECE = 1 << 20  # payload bytes per read request: a 2 MiB chunk is read as two, hashed as each lands
 READ_THREADS = 8  # loads reading at once (one thread each)
@@ -109,13 +109,6 @@ def _header_fields(meta: ChunkMeta) -> bytes:
     fixed = _FIXED.pack(MAGIC, VERSION, meta.header_len, 0, meta.size, meta.blocks, len(meta.aliases))
     body = fixed + meta.key + meta.ns + b"".join(meta.aliases)
     return body + _CRC.pack(zlib.crc32(body))
-
-
-def checksum(header_fields: bytes, *pieces) -> bytes:
-    h = hasher(header_fields)
-    for piece in pieces:
-        h.update(piece)
-    return h.digest()
 
 
 # -- staging buffers (page-aligned anonymous memory, reused across writes) ---------------------------

@@ -177,11 +177,13 @@ class L2Writer:
             self.stale += 1
             return
         try:
-            if self.tier.put(job.meta, prepared):
+            if not self.tier.put(job.meta, prepared):
+                return
+            if job.epoch != self.epoch:  # cleared while it was being written
+                self.tier.remove(job.meta.key, "clear")
+                self.stale += 1
+            else:
                 self.done += 1
-                if job.epoch != self.epoch:  # cleared while it was being written
-                    self.tier.remove(job.meta.key, "clear")
-                    self.stale += 1
         except Exception:
             self.failed += 1
             log.exception("L2 write of %s failed", job.meta.key.hex())
