@@ -50,15 +50,19 @@ install_kvtier() {
     "$PY" -m pip install --quiet --no-input -e "$REPO_DIR" >&2
 }
 
+# kvtier's dependencies as declared: when they change, the editable install is redone to pull them in.
+DEPS="$(sha256sum "$REPO_DIR/pyproject.toml" | cut -c1-16)"
+
 write_stamp() {
-    printf 'vllm=%s\nrepo=%s\n' "$VLLM_VERSION" "$REPO_DIR" >"$STAMP.tmp"
+    printf 'vllm=%s\nrepo=%s\ndeps=%s\n' "$VLLM_VERSION" "$REPO_DIR" "$DEPS" >"$STAMP.tmp"
     mv -f "$STAMP.tmp" "$STAMP"
 }
 
 if [[ -f "$STAMP" && -x "$PY" ]]; then
     stamped_repo="$(sed -n 's/^repo=//p' "$STAMP")"
-    if [[ "$stamped_repo" != "$REPO_DIR" ]]; then
-        log "repo path changed ($stamped_repo -> $REPO_DIR)"
+    stamped_deps="$(sed -n 's/^deps=//p' "$STAMP")"
+    if [[ "$stamped_repo" != "$REPO_DIR" || "$stamped_deps" != "$DEPS" ]]; then
+        log "repo path or pyproject.toml changed ($stamped_repo -> $REPO_DIR, deps $stamped_deps -> $DEPS)"
         install_kvtier
         write_stamp
     fi

@@ -1,8 +1,8 @@
 """Glue between L1 (ChunkStore, the shared-memory segment) and the filesystem L2 tier.
 
 * Write-behind: `on_commit` (ChunkStore's commit hook) holds a reader on the new entry and queues it;
-  the writer thread copies the bytes out of the L1 pages, then the reader is released on the serving
-  loop (`call_soon_threadsafe`), then the file is written. A full queue drops the L2 copy (counted).
+  the writer checksums the bytes in the L1 pages and writes the file straight from them, then the reader
+  is released on the serving loop (`call_soon_threadsafe`). A full queue drops the L2 copy (counted).
 * Lookup: `extend_lookup` (RequestHandler's hook) continues a lookup past the L1 prefix. Each chunk
   found in L2 gets L1 pages at once (through the store's own eviction path) and its file read and
   checksum verification run on a worker thread; the lookup replies without waiting, reporting the chunk

@@ -30,8 +30,8 @@ class TierAdapter(ABC):
     name: str
 
     def prepare(self, meta: ChunkMeta, sources: Sequence):  # noqa: ANN201 - whatever `put` takes
-        """Copy a chunk out of `sources` (its buffers, in order, released once this returns) and do the CPU
-        work of a put that can overlap the previous put's I/O; the result is passed to `put`. Default: the
+        """Do the CPU work of a put of a chunk held in `sources` (its buffers, in order; they stay valid until
+        the put returns) that can overlap earlier puts' I/O; the result is passed to `put`. Default: the
         bytes joined."""
         del meta
         return b"".join(sources)
@@ -90,7 +90,7 @@ class FsTier(TierAdapter):
         progress_every: int = SCAN_PROGRESS_EVERY,
     ) -> None:
         self.path = os.path.abspath(path)
-        os.makedirs(self.path, exist_ok=True)
+        os.makedirs(self.path, mode=0o700, exist_ok=True)  # an existing directory keeps its mode
         self._capacity = int(capacity_bytes)
         self.odirect = odirect  # as configured
         self.odirect_active = odirect and fmt.probe_odirect(self.path)  # what the file I/O uses
@@ -100,6 +100,8 @@ class FsTier(TierAdapter):
         self._on_corrupt = on_corrupt or (lambda: None)
         self.progress_every = progress_every
         self._lock = threading.Lock()
+        self._sync_lock = threading.Lock()  # one directory fsync at a time: each counts its own puts
+        self._writing: set[bytes] = set()  # keys whose file is being written (puts run on several threads)
         self._index: OrderedDict[bytes, ChunkMeta] = OrderedDict()  # LRU order: oldest first
         self._keys: dict[bytes, tuple[bytes, int]] = {}  # chunk key or alias -> (chunk key, leading blocks)
         self._used = 0  # bytes of indexed files plus the file being written
@@ -161,32 +163,29 @@ class FsTier(TierAdapter):
     def put(self, meta: ChunkMeta, payload) -> bool:
         """Write a chunk (its bytes, or `prepare`'s result) unless it exists or exceeds the budget."""
         need = meta.file_bytes
-        enc = payload if isinstance(payload, fmt.Encoded) else None
-        try:
-            with self._lock:
-                if meta.key in self._index:
-                    self._index.move_to_end(meta.key)
-                    return False
-                if need > self._capacity:
-                    return False
-                while self._used + need > self._capacity and self._evict_one_locked("capacity"):
-                    pass
-                self._used += need  # reserved before the write, so disk use never exceeds the budget
-            try:
-                if enc is None:
-                    enc = self.prepare(meta, [payload])
-                fmt.write_file(self.path, meta, enc)
-            except BaseException as exc:
-                with self._lock:
-                    self._used -= need
-                if not isinstance(exc, OSError):
-                    raise
-                log.exception("L2 write of %s failed", meta.key.hex())
-                return False
-        finally:
-            if enc is not None:
-                enc.release()
         with self._lock:
+            if meta.key in self._index:
+                self._index.move_to_end(meta.key)
+                return False
+            if need > self._capacity or meta.key in self._writing:
+                return False
+            while self._used + need > self._capacity and self._evict_one_locked("capacity"):
+                pass
+            self._used += need  # reserved before the write, so disk use never exceeds the budget
+            self._writing.add(meta.key)
+        try:
+            enc = payload if isinstance(payload, fmt.Encoded) else self.prepare(meta, [payload])
+            fmt.write_file(self.path, meta, enc)
+        except BaseException as exc:
+            with self._lock:
+                self._used -= need
+                self._writing.discard(meta.key)
+            if not isinstance(exc, OSError):
+                raise
+            log.exception("L2 write of %s failed", meta.key.hex())
+            return False
+        with self._lock:
+            self._writing.discard(meta.key)
             self._index_add(meta)
             self._unsynced += 1
         if self._unsynced >= SYNC_BATCH:
@@ -194,13 +193,14 @@ class FsTier(TierAdapter):
         return True
 
     def sync(self) -> None:
-        if not self._unsynced:
-            return
-        n = self._unsynced
-        fmt.fsync_dir(self.path)
-        with self._lock:
-            self._unsynced -= n
-            self.written += n
+        with self._sync_lock:
+            n = self._unsynced
+            if not n:
+                return
+            fmt.fsync_dir(self.path)
+            with self._lock:
+                self._unsynced -= n
+                self.written += n
 
     def contains(self, key: bytes) -> bool:
         return key in self._index

@@ -1,5 +1,5 @@
-"""L2 file I/O: the aligned (format 2) layout, O_DIRECT and its fallback, cross-mode readability, corruption
-in the padding, and the two-stage write pipeline."""
+"""L2 file I/O: the aligned layout, O_DIRECT and its fallback, cross-mode readability, corruption in the
+padding, writes straight from the sources, and the two-stage write pipeline."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import mmap
 import os
 import struct
+import threading
 import time
 
 import numpy as np
@@ -155,12 +156,13 @@ def test_corruption_in_the_aligned_layout(tmp_path, odirect, where):
     assert corrupt == [1] and tier.corrupt == 1 and not path.exists() and not tier.contains(m.key)
 
 
-def test_version_1_files_are_corrupt_at_scan(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_format_versions_are_corrupt_at_scan(tmp_path, version):
     m = meta(8, 3000)
     path = tmp_path / fmt.file_name(m.key)
     fmt.write_file(str(tmp_path), m, payload(8, 3000))
     raw = bytearray(path.read_bytes())
-    struct.pack_into("<H", raw, 4, 1)  # an older format version
+    struct.pack_into("<H", raw, 4, version)  # 1: no padding, 2: a BLAKE3 checksum
     path.write_bytes(bytes(raw))
     with pytest.raises(CorruptChunk, match="version"):
         fmt.read_meta(str(path))
@@ -182,9 +184,7 @@ def test_pipeline_writes_everything_and_syncs_before_idle(tmp_path):
         for i in range(n):
             sources = boom if i == 7 else (lambda i=i: [payload(i, 3000)])
             assert writer.submit(WriteJob(meta(i, 3000), sources, lambda i=i: released.append(i)))
-        deadline = time.monotonic() + 30
-        while writer.inflight and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert writer.wait_idle(30)
         assert writer.inflight == 0 and writer.done == n - 1 and writer.failed == 1
         assert tier.written == n - 1  # inflight 0: every write and its rename are durable
         assert sorted(released) == list(range(n)) and not drops
@@ -213,33 +213,24 @@ def test_pipeline_full_queue_drops_without_blocking(tmp_path):
         assert time.monotonic() - t < 1.0
         # stage one holds one job, the queue two: everything else is dropped and counted
         assert sum(accepted) <= 3 and writer.dropped == 10 - sum(accepted)
+        assert not writer.wait_idle(0.05)  # stage one is held by the gate
         gate.append(1)
-        deadline = time.monotonic() + 30
-        while writer.inflight and time.monotonic() < deadline:
-            time.sleep(0.01)
+        assert writer.wait_idle(30)
         assert writer.done == sum(accepted) and tier.written == sum(accepted)
     finally:
         gate.append(1)
         writer.stop()
 
 
-def test_pieces_regroup_views_in_order_without_exceeding_a_request():
-    views = [memoryview(bytes(n)) for n in (100, fmt.READ_PIECE, 7, fmt.READ_PIECE // 2 + 3)]
-    pieces = fmt._pieces(views)
-    # [100, READ_PIECE - 100] then [100, 7, READ_PIECE / 2 + 3]: the same bytes, in order
-    assert [[len(v) for v in p] for p in pieces] == [[100, fmt.READ_PIECE - 100], [100, 7, fmt.READ_PIECE // 2 + 3]]
-    assert b"".join(bytes(v) for p in pieces for v in p) == b"".join(bytes(v) for v in views)
-
-
 @pytest.mark.parametrize("odirect", [False, True])
-def test_multi_piece_read_into_many_pages_and_corruption_in_a_later_piece(tmp_path, odirect):
-    """A chunk larger than two read requests, loaded into 64 KiB L1-like pages: bit-exact in both modes; a
-    byte flipped in the last request's range (hashed after earlier pieces landed) is caught."""
+def test_read_into_more_pages_than_one_preadv_takes_and_corruption_near_the_end(tmp_path, odirect):
+    """A chunk loaded into 4 KiB L1-like pages, more than IOV_MAX (1024) of them plus a partial last one:
+    bit-exact in both modes; a byte flipped near the payload's end is caught."""
     tier = odirect_tier(tmp_path) if odirect else FsTier(str(tmp_path), 1 << 30)
-    size = 2 * fmt.READ_PIECE + 5000
+    size = (4 << 20) + 5000
     m, data = meta(9, size), payload(9, size)
     assert tier.put(m, data)
-    page = 64 << 10
+    page = 4096
     bufs = [memoryview(mmap.mmap(-1, page))[: min(page, size - off)] for off in range(0, size, page)]
     assert read_back(tier, m, bufs) == data
     path = tmp_path / fmt.file_name(m.key)
@@ -279,3 +270,68 @@ def test_invalidate_drops_jobs_accepted_before_it(tmp_path):
     assert writer.run_pending() == 5
     assert writer.stale == 4 and writer.done == 1 and sorted(released) == [0, 1, 2, 3, 9]
     assert os.listdir(tmp_path) == [fmt.file_name(late.meta.key)]
+
+
+def test_encode_writes_from_aligned_sources_in_place_and_unaligned_ones_buffered(tmp_path):
+    size = 3 * ALIGN + 1
+    m, data = meta(10, size), payload(10, size)
+    bufs = aligned_bufs(size)
+    off = 0
+    for b in bufs:
+        b[:] = data[off : off + len(b)]
+        off += len(b)
+    enc = fmt.encode(m, bufs, odirect=True)
+    assert enc.odirect
+    # the payload parts are the sources' own memory (no copy), but the last partial block
+    first = np.frombuffer(bufs[0], dtype=np.uint8)
+    assert any(np.shares_memory(first, np.frombuffer(p, dtype=np.uint8)) for p in enc.parts if len(p))
+    assert sum(len(p) for p in enc.parts) == m.file_bytes
+    odirect_tier(tmp_path)  # skips where O_DIRECT is refused
+    path = fmt.write_file(str(tmp_path), m, enc)
+    with open(path, "rb") as fh:
+        assert fh.read()[m.data_offset : m.data_offset + size] == data
+    assert not fmt.encode(m, [data], odirect=True).odirect  # bytes are not page-aligned: buffered
+
+
+def test_writer_releases_sources_only_once_the_file_is_written(tmp_path):
+    tier = FsTier(str(tmp_path), 1 << 30)
+    writer = L2Writer(tier, 8)
+    seen = []
+    writer.start()
+    try:
+        for i in range(4):
+            m = meta(i, 3000)
+            path = tmp_path / fmt.file_name(m.key)
+            assert writer.submit(WriteJob(m, lambda i=i: [payload(i, 3000)], lambda p=path: seen.append(p.exists())))
+        assert writer.wait_idle(30)
+    finally:
+        writer.stop()
+    assert seen == [True] * 4
+
+
+def test_io_stage_writes_two_files_at_once_and_a_key_once(tmp_path, monkeypatch):
+    """Two puts overlap (IO_THREADS); a put of a key whose file is being written is refused, not written
+    twice over the same temp name."""
+    tier = FsTier(str(tmp_path), 1 << 30)
+    both = threading.Barrier(2, timeout=10)
+    real_write = fmt.write_file
+    refused = []
+
+    def write_file(directory, m, enc, odirect=False):  # noqa: ANN001, ANN202 - write_file's signature
+        both.wait()  # only returns once two writes are in flight together
+        if m.key == meta(0, 3000).key:
+            refused.append(tier.put(m, payload(0, 3000)))
+        return real_write(directory, m, enc, odirect)
+
+    monkeypatch.setattr(fmt, "write_file", write_file)
+    writer = L2Writer(tier, 8)
+    writer.start()
+    try:
+        for i in range(2):
+            assert writer.submit(WriteJob(meta(i, 3000), lambda i=i: [payload(i, 3000)], lambda: None))
+        assert writer.wait_idle(30)
+    finally:
+        writer.stop()
+    assert refused == [False] and writer.done == 2 and tier.written == 2
+    for i in range(2):
+        assert read_back(tier, meta(i, 3000)) == payload(i, 3000)

@@ -162,7 +162,7 @@ def put_chunks(store: ChunkStore, segment: np.ndarray, fp: bytes, chunks, size: 
     store.commit(owner, [r[1] for r in res])
 
 
-def test_commit_hook_holds_reader_until_copied_then_promotes_after_restart(tmp_path):
+def test_commit_hook_holds_reader_until_written_then_promotes_after_restart(tmp_path):
     store, segment, metrics = make_store()
     l2 = L2Service.filesystem(store, segment, str(tmp_path), 1 << 30, 16, metrics)
     l2.open()
