@@ -7,13 +7,13 @@ L2 against an L1 hit.
   fsync), WRITE_GROUP at a time, each group timed from its first submit until the writer is idle (every
   write synced); baseline: plain writes + fsync of files of the same sizes and bytes, a directory fsync
   after each group; the two alternate group by group (the disk drifts).
-* read: `FsTier.get` as the server's promotion threads call it (PROMOTE_THREADS chunks at once, each file one
-  preadv into the destination buffer, then header and padding checks and the checksum) against one
-  sequential os.preadv of each whole file into an aligned buffer, on the tier's own files, alternating group
-  by group (the disk drifts), the halves swapped between passes. "cold" after dropping the page cache
+* read: `FsTier.get` as the server's promotion threads call it (a prompt's READ_GROUP chunks handed to
+  PROMOTE_THREADS threads; the header, payload and checksum of each) against one sequential os.preadv of
+  each whole file into an aligned buffer: both on the tier's own files, both reading every file, group by
+  group, which goes first alternating by group and between passes (the disk drifts). "cold": the page cache dropped first
   (drop_caches when permitted, otherwise posix_fadvise(DONTNEED) on every file, which evicts clean pages
-  without root); "warm" right after (best of 3 passes): from the page cache when buffered, from the disk
-  again with O_DIRECT.
+  without root) and each group's files evicted again before each side reads them; "warm" right after
+  (best of 3 passes): from the page cache when buffered, from the disk again with O_DIRECT.
 * O_DIRECT: the same with `FsTier(odirect=True)`; the raw baseline then also opens with O_DIRECT and uses
   aligned buffers. Where the directory refuses O_DIRECT (tmpfs) both fall back to buffered, reported as
   `odirect_active: false`.
@@ -33,6 +33,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -47,6 +48,7 @@ MiB = 1 << 20
 TOKENS = 256  # tokens per chunk in the lookup part
 MODES = ("buffered", "odirect")
 WRITE_GROUP = 16  # chunks written one way before the other way's turn
+READ_GROUP = 16  # chunks read one way before the other way's turn: a prompt's worth, promoted together
 KINDS = (("write", "write + fsync"), ("read_cold", "read, page cache dropped"), ("read_warm", "read again"))
 
 
@@ -74,15 +76,9 @@ def _df(path: str) -> dict[str, str]:
         return {"device": "?", "fstype": "?", "mount": "?"}
 
 
-def _drop_cache(paths: list[str]) -> str:
-    """Evict what we can of `paths` from the page cache; returns the method that worked."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
+def _evict(paths: list[str]) -> bool:
+    """posix_fadvise(DONTNEED) on each file: evicts its clean pages from the page cache, no root needed.
+    Returns whether every call succeeded."""
     ok = True
     for p in paths:
         try:
@@ -95,7 +91,19 @@ def _drop_cache(paths: list[str]) -> str:
             ok = False
         finally:
             os.close(fd)
-    return "fadvise_dontneed" if ok else "none (page-cache-warm)"
+    return ok
+
+
+def _drop_cache(paths: list[str]) -> str:
+    """Evict what we can of `paths` from the page cache; returns the method that worked."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as fh:
+            fh.write("3\n")
+        return "drop_caches"
+    except OSError:
+        pass
+    return "fadvise_dontneed" if _evict(paths) else "none (page-cache-warm)"
 
 
 def _aligned_array(shape: tuple[int, ...]) -> np.ndarray:
@@ -177,32 +185,43 @@ def _interleaved_writes(tdir: str, rdir: str, files: np.ndarray, payloads: list[
     return t_tier, t_raw, tier, raw_paths
 
 
-def _interleaved_reads(tier: Any, metas: list, paths: list[str], bufs: list[memoryview], raw_buf: memoryview,
-                       odirect: bool, parity: int) -> tuple[float, float, int]:
-    """Read every file once, alternating group by group between the tier and a raw whole-file read, so both
-    meet the same disk conditions (a cloud disk's throughput drifts by 2x within a minute); `parity` picks
-    which of them takes the even groups. The tier reads a group as the server promotes a prompt's chunks:
-    `FsTier.get` on PROMOTE_THREADS threads at once (one buffer each); the raw reads are sequential.
-    Returns (tier seconds, raw seconds, files each)."""
+def _interleaved_reads(tier: Any, metas: list, paths: list[str], raw_buf: memoryview, odirect: bool, cold: bool,
+                       parity: int) -> tuple[float, float, int]:
+    """Read every file both ways, READ_GROUP files at a time, alternating group by group which way goes
+    first (`parity` picks the first group's), so both meet the same disk conditions and the same files (a
+    cloud disk's throughput drifts by 2x within a minute, and the host may cache some files and not others):
+    the tier as the server promotes a prompt's chunks, `FsTier.get` on PROMOTE_THREADS threads pulling from
+    the group (one buffer per thread, standing for L1 pages); raw, one whole-file read after the other into
+    one buffer. `cold`: the group's files are evicted from the page cache before each way's reads (outside
+    the timing). Returns (tier seconds, raw seconds, files each)."""
     from kvtier.server.l2_service import PROMOTE_THREADS
 
-    def get(m: Any, buf: memoryview) -> None:
+    local = threading.local()
+
+    def get(m: Any) -> None:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = memoryview(_aligned_array((m.size,)))
         if not tier.get(m, [buf]):
             raise RuntimeError(f"FsTier.get failed for {m.key.hex()}")
 
     t_tier = t_raw = 0.0
-    group = PROMOTE_THREADS
+    group = min(READ_GROUP, len(metas))
+    starts = range(0, len(metas) - group + 1, group)
     with ThreadPoolExecutor(PROMOTE_THREADS) as pool:
-        for g, i in enumerate(range(0, len(metas) - group + 1, group)):
-            start = time.perf_counter()
-            if g % 2 == parity:
-                list(pool.map(get, metas[i : i + group], bufs))
-                t_tier += time.perf_counter() - start
-            else:
-                for p in paths[i : i + group]:
-                    _raw_read(p, raw_buf, odirect)
-                t_raw += time.perf_counter() - start
-    return t_tier, t_raw, len(metas) // (2 * group) * group
+        for g, i in enumerate(starts):
+            for side in ("tier", "raw") if g % 2 == parity else ("raw", "tier"):
+                if cold:
+                    _evict(paths[i : i + group])
+                start = time.perf_counter()
+                if side == "tier":
+                    list(pool.map(get, metas[i : i + group]))
+                    t_tier += time.perf_counter() - start
+                else:
+                    for p in paths[i : i + group]:
+                        _raw_read(p, raw_buf, odirect)
+                    t_raw += time.perf_counter() - start
+    return t_tier, t_raw, len(starts) * group
 
 
 # -- the tier vs raw part --------------------------------------------------------------------------
@@ -210,7 +229,6 @@ def _interleaved_reads(tier: Any, metas: list, paths: list[str], bufs: list[memo
 
 def bench_io(root: str, n: int, size: int, reps: int, rng: np.random.Generator) -> dict[str, Any]:
     from kvtier.server.l2_format import ChunkMeta, file_name, hasher, probe_odirect
-    from kvtier.server.l2_service import PROMOTE_THREADS
 
     ns = rng.bytes(16)
     metas = [ChunkMeta(rng.bytes(16), ns, 16, (), size) for _ in range(n)]
@@ -219,8 +237,7 @@ def bench_io(root: str, n: int, size: int, reps: int, rng: np.random.Generator) 
     for i in range(n):
         files[i, off : off + size] = rng.integers(0, 256, size, dtype=np.uint8)
     payloads = [memoryview(files[i, off : off + size]) for i in range(n)]
-    bufs, raw_buf = _aligned_array((PROMOTE_THREADS, size)), _aligned_array((file_bytes,))
-    buf = bufs[0]
+    buf, raw_buf = _aligned_array((size,)), _aligned_array((file_bytes,))
     t = {(mode, who, kind): 0.0 for mode in MODES for who in ("tier", "raw") for kind, _ in KINDS}
     nbytes = {(mode, kind): 0 for mode in MODES for kind, _ in KINDS}  # bytes each side moved
     active = {"buffered": False, "odirect": probe_odirect(root)}
@@ -239,12 +256,11 @@ def bench_io(root: str, n: int, size: int, reps: int, rng: np.random.Generator) 
                 raise RuntimeError("the tier and the probe disagree on O_DIRECT")
             tier_paths = [os.path.join(tdir, file_name(m.key)) for m in metas]
             # the raw reads read the tier's own files (the same bytes on the same disk blocks), whole
-            reads = partial(_interleaved_reads, tier, metas, tier_paths, [memoryview(b) for b in bufs],
-                            memoryview(raw_buf), odirect)
+            reads = partial(_interleaved_reads, tier, metas, tier_paths, memoryview(raw_buf), odirect)
             drop_methods.add(_drop_cache(tier_paths + raw_paths))
-            passes = {"read_cold": [reads(rep % 2)],
+            passes = {"read_cold": [reads(True, rep % 2)],
                       # best of 3: the first may meet late readahead
-                      "read_warm": [reads((rep + k) % 2) for k in range(3)]}
+                      "read_warm": [reads(False, (rep + k) % 2) for k in range(3)]}
             for kind, results in passes.items():
                 tier_s, raw_s, files_each = min(results, key=lambda r: r[0] + r[1])
                 t[mode, "tier", kind] += tier_s

@@ -414,6 +414,7 @@ class L2Service:
             "l2_entries": t.entries,
             "l2_used_bytes": t.used_bytes,
             "l2_capacity_bytes": t.capacity_bytes,
+            "l2_odirect": getattr(t, "odirect_active", False),  # O_DIRECT asked for and taken by the directory
             "l2_queue_depth": self.writer.queue_depth,
             "l2_inflight": self.writer.inflight,
             "l2_written": getattr(t, "written", self.writer.done),

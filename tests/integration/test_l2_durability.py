@@ -67,10 +67,16 @@ def chunk_files(path) -> dict[str, int]:
             if e.name.endswith(".kv") and e.is_file(follow_symlinks=False)}
 
 
-def test_l2_survives_sigkill_bit_exact(kvtier_server, tmp_path):
+@pytest.mark.parametrize("odirect", [False, True], ids=["buffered", "odirect"])
+def test_l2_survives_sigkill_bit_exact(kvtier_server, tmp_path, odirect):
+    """With --l2-odirect the files are written straight from the shared-memory pages and read back into
+    them with O_DIRECT (tmp_path is on a disk filesystem here; where it refuses O_DIRECT the server falls
+    back to buffered I/O and says so in its stats)."""
     l2 = tmp_path / "l2"
-    srv = kvtier_server(l1_gb=0.0625, extra=l2_args(l2))
+    srv = kvtier_server(l1_gb=0.0625, extra=l2_args(l2, extra=["--l2-odirect"] if odirect else []))
     c = client(srv.url)
+    if odirect and not c.stats()["l2_odirect"]:
+        pytest.skip(f"{tmp_path} does not take O_DIRECT")
     prompts = [prompt(100 + i, 50 * NS.chunk_size) for i in range(10)]  # 10 x 50 = 500 chunks
     for tokens in prompts:
         assert store(c, tokens).stored == 50
@@ -83,7 +89,7 @@ def test_l2_survives_sigkill_bit_exact(kvtier_server, tmp_path):
     srv.start()
     c = client(srv.url)
     s = c.stats()
-    assert s["l2_entries"] == 500 and s["entries"] == 0
+    assert s["l2_entries"] == 500 and s["entries"] == 0 and s["l2_odirect"] is odirect
     for tokens in prompts:
         got, tiers = retrieve_checked(c, tokens)
         assert got == 50 * NS.chunk_size
