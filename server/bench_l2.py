@@ -407,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         "odirect_active": io["odirect"]["odirect_active"],
         "io": io,
         "lookup": lk,
-        "figure": {"name": "L2 write GB/s (L2Writer + FsTier: one copy with checksum, temp file, fsync, rename, dir fsync)",
+        "figure": {"name": "L2 write GB/s (L2Writer + FsTier: checksum, written from the source, temp file, fsync, rename, dir fsync)",
                    "value": io["buffered"]["write"]["gbps"]},
         "baseline": {"name": "raw os.write + fsync GB/s of files of the same sizes, same disk, same run",
                      "value": io["buffered"]["write"]["baseline_gbps"]},

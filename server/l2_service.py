@@ -43,7 +43,7 @@ from prometheus_client import Counter, Gauge
 log = logging.getLogger("kvtier.server.l2")
 
 L2 = "l2"
-PROMOTE_THREADS = 2
+PROMOTE_THREADS = 4  # chunk reads in flight: measured faster than 2 or 1 even on two cores (they wait on the disk)
 PROMOTE_MAX_BYTES = 1 << 30  # in-flight promotion cap: at most this, and at most a quarter of L1
 PROMOTING = 0  # ChunkStore.pending value of a key being promoted (reservation ids start at 1)
 BANDWIDTH_DECAY = 0.9  # per transfer: the measured rate follows roughly the last ten transfers
