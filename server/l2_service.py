@@ -380,10 +380,10 @@ class L2Service:
     async def clear(self, ns: bytes | None = None) -> tuple[int, int]:
         """Admin cache clear of L2 (every chunk, or namespace `ns`'s); returns (chunks, file bytes) removed.
 
-        On the loop, first: L2 writes still queued are dropped (all namespaces: they stay in L1) and
-        promotions in flight give their pages back instead of entering L1. The files go on a thread.
+        On the loop, first: L2 writes still queued (of that namespace) are dropped and promotions in flight
+        give their pages back instead of entering L1. The files go on a thread.
         """
-        self.writer.invalidate()
+        self.writer.invalidate(ns)
         for promo in self._promoting.values():
             if ns is None or promo.meta.ns == ns:
                 promo.cleared = True

@@ -34,7 +34,7 @@ class WriteJob:
     meta: ChunkMeta
     sources: Callable[[], Sequence]  # the chunk's buffers in order (L1 pages), valid until `release`
     release: Callable[[], None]  # called once the sources may be freed: written, failed or skipped
-    epoch: int = 0  # the writer's epoch at submit (`L2Writer.invalidate`)
+    epoch: tuple[int, int] = (0, 0)  # the writer's epochs at submit, all and the job's namespace (`invalidate`)
 
 
 _FAILED = object()  # stage one's result for a job whose copy or prepare raised
@@ -58,7 +58,8 @@ class L2Writer:
         self.done = 0
         self.failed = 0
         self.stale = 0  # accepted jobs not kept because a clear came first
-        self.epoch = 0  # bumped by `invalidate`
+        self.epoch = 0  # bumped by `invalidate()`
+        self._ns_epochs: dict[bytes, int] = {}  # bumped by `invalidate(ns)`, per namespace fingerprint
 
     @property
     def queue_depth(self) -> int:
@@ -75,12 +76,19 @@ class L2Writer:
         with self._idle:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
-    def invalidate(self) -> None:
-        """Cache clear: jobs already accepted are not written, or removed again if being written now."""
-        self.epoch += 1
+    def invalidate(self, ns: bytes | None = None) -> None:
+        """Cache clear: jobs already accepted (all, or those of namespace fingerprint `ns`) are not written,
+        or removed again if being written now."""
+        if ns is None:
+            self.epoch += 1
+        else:
+            self._ns_epochs[ns] = self._ns_epochs.get(ns, 0) + 1
+
+    def _epochs(self, job: WriteJob) -> tuple[int, int]:
+        return self.epoch, self._ns_epochs.get(job.meta.ns, 0)
 
     def submit(self, job: WriteJob) -> bool:
-        job.epoch = self.epoch
+        job.epoch = self._epochs(job)
         if self._stopping:
             self._drop()
             return False
@@ -181,7 +189,7 @@ class L2Writer:
                 self._idle.notify_all()
 
     def _prepare(self, job: WriteJob) -> Any:
-        if job.epoch != self.epoch:
+        if job.epoch != self._epochs(job):
             return _STALE
         try:
             return self.tier.prepare(job.meta, job.sources())
@@ -197,7 +205,7 @@ class L2Writer:
             elif prepared is _STALE:
                 self.stale += 1
             elif self.tier.put(job.meta, prepared):
-                if job.epoch != self.epoch:  # cleared while it was being written
+                if job.epoch != self._epochs(job):  # cleared while it was being written
                     self.tier.remove(job.meta.key, "clear")
                     self.stale += 1
                 else:

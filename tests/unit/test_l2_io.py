@@ -272,6 +272,19 @@ def test_invalidate_drops_jobs_accepted_before_it(tmp_path):
     assert os.listdir(tmp_path) == [fmt.file_name(late.meta.key)]
 
 
+def test_invalidate_of_a_namespace_drops_only_its_jobs(tmp_path):
+    tier = FsTier(str(tmp_path), 1 << 30)
+    writer = L2Writer(tier, 16)
+    other = ChunkMeta(digest(b"other-key"), digest(b"ns-2"), 2, (), 3000)
+    mine = [meta(i, 3000) for i in range(3)]
+    for m in [*mine, other]:
+        assert writer.submit(WriteJob(m, lambda: [payload(1, 3000)], lambda: None))
+    writer.invalidate(digest(b"ns"))
+    assert writer.run_pending() == 4
+    assert writer.stale == 3 and writer.done == 1
+    assert os.listdir(tmp_path) == [fmt.file_name(other.key)]
+
+
 def test_encode_writes_from_aligned_sources_in_place_and_unaligned_ones_buffered(tmp_path):
     size = 3 * ALIGN + 1
     m, data = meta(10, size), payload(10, size)
