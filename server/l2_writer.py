@@ -25,7 +25,7 @@ from kvtier.server.l2_tier import TierAdapter
 
 log = logging.getLogger("kvtier.server.l2")
 
-HANDOFF = 1  # prepared jobs waiting for the I/O stage (each may hold a staging buffer of one chunk)
+HANDOFF = 1  # prepared jobs waiting for the I/O stage
 IO_THREADS = 2  # files written at once: a second stream lifts a disk that waits per request (measured +10-50%)
 
 
@@ -37,7 +37,7 @@ class WriteJob:
     epoch: tuple[int, int] = (0, 0)  # the writer's epochs at submit, all and the job's namespace (`invalidate`)
 
 
-_FAILED = object()  # stage one's result for a job whose copy or prepare raised
+_FAILED = object()  # stage one's result for a job whose sources or prepare raised
 _STALE = object()  # stage one's result for a job submitted before the last `invalidate`
 
 
