@@ -326,10 +326,15 @@ class L2Service:
         self._promoting_pages += npages
         if self._readers is None:
             self._finish(promo, self._read(promo))
-        else:
-            read = self._readers.submit(self._read, promo)
-            read.add_done_callback(lambda f: self._call_soon(self._finish_future, promo, f))
+        else:  # after the lookup's reply is sent: a read thread starting now would hold it up (the GIL)
+            self._loop.call_soon(self._submit, promo)
         return promo
+
+    def _submit(self, promo: Promotion) -> None:
+        if self._promoting.get(promo.meta.key) is not promo:
+            return  # settled by close()
+        read = self._readers.submit(self._read, promo)
+        read.add_done_callback(lambda f: self._call_soon(self._finish_future, promo, f))
 
     def _read(self, promo: Promotion) -> tuple[bool, float, float]:
         """Worker thread: read and verify the file into the promotion's pages; (ok, start, end)."""
