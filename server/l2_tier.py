@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvtier.server import l2_format as fmt
@@ -21,6 +21,7 @@ from kvtier.server.l2_format import ChunkMeta, CorruptChunk, unlink_quiet
 log = logging.getLogger("kvtier.server.l2")
 
 SCAN_PROGRESS_EVERY = 10_000
+SCAN_LOG_CORRUPT = 10  # corrupt files named one by one in a scan's log; the rest are counted by reason
 SYNC_BATCH = 64
 
 
@@ -265,6 +266,7 @@ class FsTier(TierAdapter):
         alone and never counted.
         """
         found: list[tuple[float, ChunkMeta]] = []
+        reasons: Counter[str] = Counter()  # why kvtier-named files were corrupt (a version change: all of them)
         seen = 0
         with os.scandir(self.path) as it:
             for dent in it:
@@ -287,7 +289,9 @@ class FsTier(TierAdapter):
                     meta = fmt.read_meta(dent.path)
                     mtime = dent.stat(follow_symlinks=False).st_mtime
                 except (CorruptChunk, OSError) as exc:
-                    log.warning("L2 file %s is corrupt (%s): removed", name, exc)
+                    if sum(reasons.values()) < SCAN_LOG_CORRUPT:
+                        log.warning("L2 file %s is corrupt (%s): removed", name, exc)
+                    reasons[str(exc)] += 1
                     unlink_quiet(dent.path)
                     self.corrupt += 1
                     self._on_corrupt()
@@ -307,4 +311,7 @@ class FsTier(TierAdapter):
             "L2 scan of %s done: %d files seen, %d chunks (%d bytes) indexed, %d corrupt, %d temp files removed",
             self.path, seen, len(self._index), self._used, self.corrupt, self.temp_removed,
         )
+        if sum(reasons.values()) > SCAN_LOG_CORRUPT:
+            log.warning("L2 scan of %s removed %d corrupt files: %s", self.path, sum(reasons.values()),
+                        ", ".join(f"{n} {why}" for why, n in reasons.most_common()))
         return len(self._index)

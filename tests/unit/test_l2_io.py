@@ -170,6 +170,27 @@ def test_older_format_versions_are_corrupt_at_scan(tmp_path, version):
     assert tier.scan() == 0 and tier.corrupt == 1 and not path.exists()
 
 
+def test_a_scan_of_many_old_files_logs_a_few_lines_not_one_per_file(tmp_path, caplog):
+    """An upgrade over a directory of an older format: every file is corrupt; the log names the first
+    SCAN_LOG_CORRUPT and sums up the rest by reason."""
+    from kvtier.server.l2_tier import SCAN_LOG_CORRUPT
+
+    n = SCAN_LOG_CORRUPT + 15
+    for i in range(n):
+        path = fmt.write_file(str(tmp_path), meta(i, 3000), payload(i, 3000))
+        with open(path, "r+b") as fh:
+            fh.seek(4)
+            fh.write(struct.pack("<H", 2))
+    tier = FsTier(str(tmp_path), 1 << 30)
+    with caplog.at_level(logging.INFO, logger="kvtier.server.l2"):
+        assert tier.scan() == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert tier.corrupt == n and not os.listdir(tmp_path)
+    assert sum("is corrupt" in line for line in lines) == SCAN_LOG_CORRUPT
+    assert any(f"removed {n} corrupt files: {n} unknown format version 2" in line for line in lines)
+    assert len(lines) <= SCAN_LOG_CORRUPT + 2
+
+
 def test_pipeline_writes_everything_and_syncs_before_idle(tmp_path):
     tier = FsTier(str(tmp_path), 1 << 30)
     released, drops = [], []
