@@ -94,7 +94,7 @@ def _evict(paths: list[str]) -> bool:
     return ok
 
 
-def _drop_cache(paths: list[str]) -> str:
+def drop_page_cache(paths: list[str]) -> str:
     """Evict what we can of `paths` from the page cache; returns the method that worked."""
     os.sync()
     try:
@@ -257,7 +257,7 @@ def bench_io(root: str, n: int, size: int, reps: int, rng: np.random.Generator) 
             tier_paths = [os.path.join(tdir, file_name(m.key)) for m in metas]
             # the raw reads read the tier's own files (the same bytes on the same disk blocks), whole
             reads = partial(_interleaved_reads, tier, metas, tier_paths, memoryview(raw_buf), odirect)
-            drop_methods.add(_drop_cache(tier_paths + raw_paths))
+            drop_methods.add(drop_page_cache(tier_paths + raw_paths))
             passes = {"read_cold": [reads(True, rep % 2)],
                       # best of 3: the first may meet late readahead
                       "read_warm": [reads(False, (rep + k) % 2) for k in range(3)]}
@@ -331,7 +331,7 @@ def bench_lookup(root: str, n: int, size: int, rng: np.random.Generator) -> dict
     finally:
         server.stop()
     files = [e.path for e in os.scandir(l2dir) if e.name.endswith(".kv")]
-    drop = _drop_cache(files)
+    drop = drop_page_cache(files)
     server = bc.start_server(l1_gb, extra)
     promote, hit, reply, l1_reply = [], [], [], []
 
