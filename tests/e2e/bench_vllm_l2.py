@@ -40,6 +40,17 @@ from kvtier.connector.client import ClientConfig, KVTierClient  # noqa: E402
 from kvtier.server.bench_l2 import drop_page_cache  # noqa: E402
 
 PHASES = ("cold", "l1_reload", "l2_reload", "l1_again")
+OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("--rounds", {"type": int, "default": 2, "help": "fresh kvtier + vLLM instances (default 2)"}),
+    ("--docs-per-length", {"type": int, "default": 2, "help": "documents per length (default 2)"}),
+    ("--max-tokens", {"type": int, "default": 4}),
+    ("--gap", {"type": float, "default": 0.3, "help": "pause after each request (s)"}),
+    ("--odirect", {"action": "store_true", "help": "run kvtier with --l2-odirect"}),
+    ("--drop-cache", {"action": "store_true", "help": "drop the L2 files from the page cache while kvtier is down "
+                      "(buffered L2 reads then come from the disk; with --odirect they do anyway)"}),
+    ("--plot", {"default": "", "help": "also write a PNG bar chart here (needs matplotlib)"}),
+    ("--out", {"default": str(Path(os.environ.get("TMPDIR", "/tmp")) / "kvtier-bench-vllm-l2")}),
+)
 RETRY_BACKOFF_S = 0.2
 
 
@@ -165,16 +176,8 @@ def plot(s: dict[str, Any], path: str, title: str) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--docs-per-length", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--gap", type=float, default=0.3, help="pause after each request (s)")
-    ap.add_argument("--odirect", action="store_true", help="run kvtier with --l2-odirect")
-    ap.add_argument("--drop-cache", action="store_true",
-                    help="drop the L2 files from the page cache while kvtier is down (buffered L2 reads then "
-                         "come from the disk; with --odirect they do anyway)")
-    ap.add_argument("--plot", default="", help="also write a PNG bar chart here (needs matplotlib)")
-    ap.add_argument("--out", default=str(Path(os.environ.get("TMPDIR", "/tmp")) / "kvtier-bench-vllm-l2"))
+    for flag, options in OPTIONS:
+        ap.add_argument(flag, **options)
     args = ap.parse_args()
     out_dir = Path(args.out)
     (out_dir / "logs").mkdir(parents=True, exist_ok=True)
