@@ -35,6 +35,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Any
@@ -143,12 +144,27 @@ def _raw_read(path: str, buf: memoryview, odirect: bool) -> None:
         os.close(fd)
 
 
+def _alternate(groups: Sequence[range], parity: int, tier: Callable[[range], object],
+               raw: Callable[[range], object], before: Callable[[range], object] | None = None) -> tuple[float, float]:
+    """Run `tier` and `raw` on each group of chunk indices, which goes first alternating group by group
+    (`parity` picks the first group's), so both meet the same disk conditions (a cloud disk's throughput
+    drifts by 2x within a minute); `before` runs ahead of each side, untimed. Returns (tier s, raw s)."""
+    spent = {tier: 0.0, raw: 0.0}
+    for g, group in enumerate(groups):
+        for side in (tier, raw) if g % 2 == parity else (raw, tier):
+            if before is not None:
+                before(group)
+            start = time.perf_counter()
+            side(group)
+            spent[side] += time.perf_counter() - start
+    return spent[tier], spent[raw]
+
+
 def _interleaved_writes(tdir: str, rdir: str, files: np.ndarray, payloads: list[memoryview], metas: list,
                         odirect: bool, parity: int):  # noqa: ANN202
-    """Write every chunk both ways, WRITE_GROUP chunks at a time, alternating group by group which goes
-    first (`parity` picks the first group's), so both meet the same disk conditions: through L2Writer +
-    FsTier as the server does (submit the group, wait until it is written and synced), and as raw files.
-    Returns (tier seconds, raw seconds, tier, raw paths)."""
+    """Write every chunk both ways, WRITE_GROUP chunks at a time (`_alternate`): through L2Writer + FsTier as
+    the server does (submit the group, wait until it is written and synced), and as raw files. Returns
+    (tier seconds, raw seconds, tier, raw paths)."""
     from kvtier.server.l2_tier import FsTier
     from kvtier.server.l2_writer import L2Writer, WriteJob
 
@@ -163,22 +179,20 @@ def _interleaved_writes(tdir: str, rdir: str, files: np.ndarray, payloads: list[
         return WriteJob(metas[i], lambda: [view[:half], view[half:]], lambda: None)
 
     jobs = [job(i) for i in range(n)]
-    t_tier = t_raw = 0.0
     raw_paths: list[str] = []
-    for g, i in enumerate(range(0, n, WRITE_GROUP)):
-        group = range(i, min(n, i + WRITE_GROUP))
-        for side in ("tier", "raw") if g % 2 == parity else ("raw", "tier"):
-            start = time.perf_counter()
-            if side == "tier":
-                for k in group:
-                    if not writer.submit(jobs[k]):
-                        raise RuntimeError("L2 writer queue full")
-                if not writer.wait_idle(120):
-                    raise RuntimeError("L2 writes did not finish")
-                t_tier += time.perf_counter() - start
-            else:
-                raw_paths += _raw_write(rdir, files[group.start : group.stop], group.start, tier.odirect_active)
-                t_raw += time.perf_counter() - start
+
+    def tier_side(group: range) -> None:
+        for k in group:
+            if not writer.submit(jobs[k]):
+                raise RuntimeError("L2 writer queue full")
+        if not writer.wait_idle(120):
+            raise RuntimeError("L2 writes did not finish")
+
+    def raw_side(group: range) -> None:
+        raw_paths.extend(_raw_write(rdir, files[group.start : group.stop], group.start, tier.odirect_active))
+
+    groups = [range(i, min(n, i + WRITE_GROUP)) for i in range(0, n, WRITE_GROUP)]
+    t_tier, t_raw = _alternate(groups, parity, tier_side, raw_side)
     writer.stop()
     if writer.done != n or tier.written != n:
         raise RuntimeError(f"L2 writer wrote {writer.done}/{n} chunks ({tier.written} synced)")
@@ -187,13 +201,12 @@ def _interleaved_writes(tdir: str, rdir: str, files: np.ndarray, payloads: list[
 
 def _interleaved_reads(tier: Any, metas: list, paths: list[str], raw_buf: memoryview, odirect: bool, cold: bool,
                        parity: int) -> tuple[float, float, int]:
-    """Read every file both ways, READ_GROUP files at a time, alternating group by group which way goes
-    first (`parity` picks the first group's), so both meet the same disk conditions and the same files (a
-    cloud disk's throughput drifts by 2x within a minute, and the host may cache some files and not others):
-    the tier as the server promotes a prompt's chunks, `FsTier.get` on PROMOTE_THREADS threads pulling from
-    the group (one buffer per thread, standing for L1 pages); raw, one whole-file read after the other into
-    one buffer. `cold`: the group's files are evicted from the page cache before each way's reads (outside
-    the timing). Returns (tier seconds, raw seconds, files each)."""
+    """Read every file both ways, READ_GROUP files at a time (`_alternate`; the same files both ways, as the
+    host may cache some files and not others): the tier as the server promotes a prompt's chunks,
+    `FsTier.get` on PROMOTE_THREADS threads pulling from the group (one buffer per thread, standing for L1
+    pages); raw, one whole-file read after the other into one buffer. `cold`: the group's files are evicted
+    from the page cache before each way's reads (outside the timing). Returns (tier seconds, raw seconds,
+    files each)."""
     from kvtier.server.l2_service import PROMOTE_THREADS
 
     local = threading.local()
@@ -205,23 +218,20 @@ def _interleaved_reads(tier: Any, metas: list, paths: list[str], raw_buf: memory
         if not tier.get(m, [buf]):
             raise RuntimeError(f"FsTier.get failed for {m.key.hex()}")
 
-    t_tier = t_raw = 0.0
-    group = min(READ_GROUP, len(metas))
-    starts = range(0, len(metas) - group + 1, group)
+    size = min(READ_GROUP, len(metas))
+    groups = [range(i, i + size) for i in range(0, len(metas) - size + 1, size)]
+
+    def raw_side(group: range) -> None:
+        for k in group:
+            _raw_read(paths[k], raw_buf, odirect)
+
+    def evict(group: range) -> None:
+        _evict(paths[group.start : group.stop])
+
     with ThreadPoolExecutor(PROMOTE_THREADS) as pool:
-        for g, i in enumerate(starts):
-            for side in ("tier", "raw") if g % 2 == parity else ("raw", "tier"):
-                if cold:
-                    _evict(paths[i : i + group])
-                start = time.perf_counter()
-                if side == "tier":
-                    list(pool.map(get, metas[i : i + group]))
-                    t_tier += time.perf_counter() - start
-                else:
-                    for p in paths[i : i + group]:
-                        _raw_read(p, raw_buf, odirect)
-                    t_raw += time.perf_counter() - start
-    return t_tier, t_raw, len(starts) * group
+        t_tier, t_raw = _alternate(groups, parity, lambda group: list(pool.map(get, metas[group.start : group.stop])),
+                                   raw_side, evict if cold else None)
+    return t_tier, t_raw, len(groups) * size
 
 
 # -- the tier vs raw part --------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def read_meta(path: str) -> ChunkMeta:
     finally:
         os.close(fd)
     if st_size != meta.file_bytes:
-        raise CorruptChunk(f"file has {st_size} bytes, header says {meta.file_bytes}")
+        raise CorruptChunk("file size does not match its header")
     if os.path.basename(path) != file_name(meta.key):
         raise CorruptChunk("file name does not match the key in its header")
     return meta

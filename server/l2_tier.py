@@ -175,8 +175,7 @@ class FsTier(TierAdapter):
             self._used += need  # reserved before the write, so disk use never exceeds the budget
             self._writing.add(meta.key)
         try:
-            enc = payload if isinstance(payload, fmt.Encoded) else self.prepare(meta, [payload])
-            fmt.write_file(self.path, meta, enc)
+            fmt.write_file(self.path, meta, payload, self.odirect_active)
         except BaseException as exc:
             with self._lock:
                 self._used -= need
@@ -289,9 +288,10 @@ class FsTier(TierAdapter):
                     meta = fmt.read_meta(dent.path)
                     mtime = dent.stat(follow_symlinks=False).st_mtime
                 except (CorruptChunk, OSError) as exc:
-                    if sum(reasons.values()) < SCAN_LOG_CORRUPT:
+                    if reasons.total() < SCAN_LOG_CORRUPT:
                         log.warning("L2 file %s is corrupt (%s): removed", name, exc)
-                    reasons[str(exc)] += 1
+                    # the reason without the file's name or sizes, so that the summary groups files
+                    reasons[str(exc) if isinstance(exc, CorruptChunk) else exc.strerror or type(exc).__name__] += 1
                     unlink_quiet(dent.path)
                     self.corrupt += 1
                     self._on_corrupt()
@@ -311,7 +311,7 @@ class FsTier(TierAdapter):
             "L2 scan of %s done: %d files seen, %d chunks (%d bytes) indexed, %d corrupt, %d temp files removed",
             self.path, seen, len(self._index), self._used, self.corrupt, self.temp_removed,
         )
-        if sum(reasons.values()) > SCAN_LOG_CORRUPT:
-            log.warning("L2 scan of %s removed %d corrupt files: %s", self.path, sum(reasons.values()),
+        if reasons.total() > SCAN_LOG_CORRUPT:
+            log.warning("L2 scan of %s removed %d corrupt files: %s", self.path, reasons.total(),
                         ", ".join(f"{n} {why}" for why, n in reasons.most_common()))
         return len(self._index)

@@ -36,7 +36,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from bench_vllm import LENGTHS, documents, mean, timed  # noqa: E402
 from kvtier.connector import bench_common as bc  # noqa: E402
-from kvtier.connector.client import ClientConfig, KVTierClient  # noqa: E402
 from kvtier.server.bench_l2 import drop_page_cache  # noqa: E402
 
 PHASES = ("cold", "l1_reload", "l2_reload", "l1_again")
@@ -52,26 +51,6 @@ OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (
     ("--out", {"default": str(Path(os.environ.get("TMPDIR", "/tmp")) / "kvtier-bench-vllm-l2")}),
 )
 RETRY_BACKOFF_S = 0.2
-
-
-def kv_stats(port: int) -> dict[str, Any]:
-    c = KVTierClient(ClientConfig(url=f"tcp://127.0.0.1:{port}", strict=True, request_timeout_s=10.0))
-    try:
-        assert c.connect()
-        return c.stats() or {}
-    finally:
-        c.close()
-
-
-def wait_drained(port: int, timeout: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = kv_stats(port)
-        if s.get("l2_inflight") == 0 and s.get("l2_written", 0) > 0:
-            return s
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"L2 writes not drained after {timeout} s: {s}")
-        time.sleep(0.2)
 
 
 def reloads(port: int, docs: list[list[int]], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -102,18 +81,18 @@ def run_round(rnd: int, model: Path, args: argparse.Namespace, out_dir: Path, vl
             docs = documents(args.docs_per_length)
             res: dict[str, Any] = {"round": rnd}
             res["cold"] = [timed(port, d, args.max_tokens, args.gap) for d in docs]
-            res["l2_drained"] = wait_drained(kp)
+            res["l2_drained"] = harness.wait_l2_drained(kh, timeout=120.0)
             res["l1_reload"] = reloads(port, docs, args)
             kv.kill9()
             if args.drop_cache:  # as after a node reboot: the L2 reads come from the disk
                 res["cache_drop"] = drop_page_cache([str(p) for p in l2.iterdir() if p.name.endswith(".kv")])
             kv = start_kvtier()
-            res["l2_after_restart"] = kv_stats(kp)
+            res["l2_after_restart"] = harness.kvtier_status(kh)["l2"]
             time.sleep(4 * RETRY_BACKOFF_S)  # the connector's backoff after its last failure
             harness.complete_stream(port, harness.prompt_ids(300, seed=98), args.max_tokens)  # reconnect
             res["l2_reload"] = reloads(port, docs, args)
             res["l1_again"] = reloads(port, docs, args)
-            res["kvtier_stats"] = kv_stats(kp)
+            res["kvtier_status"] = harness.kvtier_status(kh)
             res["vllm_log"] = str(v.log_path)
             return res
     finally:

@@ -499,6 +499,23 @@ def complete_stream(
     return (ids if ids else "".join(text)), ttft, total
 
 
+def kvtier_status(http_port: int) -> dict:
+    """kvtier's admin `GET /status` (open without the admin token): L1 and L2 figures, clients, namespaces."""
+    return http_json(http_port, "/status", timeout=10.0)
+
+
+def wait_l2_drained(http_port: int, timeout: float = 60.0) -> dict:
+    """Wait until kvtier's L2 writes are all on disk (`l2_inflight` 0, something written); its L2 stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = kvtier_status(http_port)["l2"]
+        if s.get("l2_inflight") == 0 and s.get("l2_written", 0) > 0:
+            return s
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"L2 writes not drained after {timeout} s: {s}")
+        time.sleep(0.2)
+
+
 def reset_prefix_cache(port: int, reset_external: bool = False) -> None:
     """POST /reset_prefix_cache (needs VLLM_SERVER_DEV_MODE=1); ``reset_external`` also resets the connector."""
     path = "/reset_prefix_cache" + ("?reset_external=true" if reset_external else "")

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import harness
 import pytest
-from kvtier.connector.client import ClientConfig, KVTierClient
 
 pytestmark = pytest.mark.e2e
 
@@ -48,28 +47,6 @@ def kv_metrics(http_port: int) -> dict:
     return harness.parse_metrics(harness.metrics_text(http_port))
 
 
-def kv_stats(kv_port: int) -> dict:
-    c = KVTierClient(ClientConfig(url=f"tcp://127.0.0.1:{kv_port}", strict=True, request_timeout_s=10.0,
-                                  token=TOKEN))
-    try:
-        assert c.connect()
-        s = c.stats()
-        assert s is not None
-        return s
-    finally:
-        c.close()
-
-
-def wait_drained(kv_port: int, timeout: float = 60.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        s = kv_stats(kv_port)
-        if s.get("l2_inflight") == 0 and s.get("l2_written", 0) > 0:
-            return s
-        assert time.monotonic() < deadline, f"L2 writes not drained after {timeout} s: {s}"
-        time.sleep(0.2)
-
-
 def test_prompt_reloads_from_l2_after_kvtier_sigkill(vllm_python, tiny_model, logdir, tmp_path):
     l2 = tmp_path / "l2"
     kv_port, kv_http = harness.free_port(), harness.free_port()
@@ -92,7 +69,7 @@ def test_prompt_reloads_from_l2_after_kvtier_sigkill(vllm_python, tiny_model, lo
         ref, cached = serve(vport, prompt)
         assert cached["local_cache_hit"] == FULL_RELOAD and cached["external_kv_transfer"] == 0, cached
 
-        s = wait_drained(kv_port)
+        s = harness.wait_l2_drained(kv_http)
         assert s["l2_dropped_writes"] == 0 and s["l2_entries"] > 0, s
         assert any(p.name.endswith(".kv") for p in Path(l2).iterdir())
         assert harness.metric(kv_metrics(kv_http), "kvtier_l2_used_bytes") > 0
@@ -100,8 +77,8 @@ def test_prompt_reloads_from_l2_after_kvtier_sigkill(vllm_python, tiny_model, lo
         kv.kill9()
         assert not kv.alive()
         kv = start_kvtier()  # same port, same L2 directory; takes over the stale /dev/shm segment
-        s = kv_stats(kv_port)
-        assert s["entries"] == 0 and s["l2_entries"] > 0, s  # L1 empty, L2 rescanned
+        s = harness.kvtier_status(kv_http)
+        assert s["l1"]["entries"] == 0 and s["l2"]["l2_entries"] > 0, s  # L1 empty, L2 rescanned
         m0 = kv_metrics(kv_http)
 
         harness.reset_prefix_cache(vport)
@@ -118,5 +95,5 @@ def test_prompt_reloads_from_l2_after_kvtier_sigkill(vllm_python, tiny_model, lo
 
         assert moved("kvtier_hit_tokens_total", tier="l2") >= FULL_RELOAD, (m0, m1)
         assert moved("kvtier_l2_promotions_total") > 0
-        assert kv_stats(kv_port)["l2_corrupt_chunks"] == 0
+        assert harness.kvtier_status(kv_http)["l2"]["l2_corrupt_chunks"] == 0
     kv.stop()
