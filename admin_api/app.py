@@ -9,7 +9,6 @@ files or shows the environment, and request bodies are limited to MAX_BODY_BYTES
 
 from __future__ import annotations
 
-import hmac
 import logging
 import mmap
 import time
@@ -23,6 +22,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from kvtier.server.chunk_store import L1, ResizeRefused
 from kvtier.server.daemon import Daemon
 from kvtier.server.eviction import POLICIES, make_policy
+from kvtier.server.tokens import token_matches
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -178,7 +178,7 @@ def check_token(header: bytes, token: bytes) -> tuple[int, str] | None:
     scheme, _, value = header.partition(b" ")
     if scheme.lower() != b"bearer" or not value.strip():
         return 401, "missing bearer token: send 'Authorization: Bearer <admin token>'"
-    if not hmac.compare_digest(value.strip(), token):
+    if not token_matches(value.strip(), token):
         return 403, "wrong admin token"
     return None
 
@@ -191,11 +191,13 @@ def _error(status: int, detail: str) -> Response:
 _bearer = HTTPBearer(auto_error=False, description="the server's --admin-token (when it has one)")
 
 
-async def authorized(request: Request, cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-    """Guard already refused bad tokens; this repeats the check so no mutating route runs without it."""
+async def authorized(request: Request, _cred: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+                     ) -> None:
+    """Guard already refused bad tokens; this repeats the check, on the same raw header bytes, so no
+    mutating route runs without it (`_cred` only documents the scheme in the OpenAPI schema)."""
     token = request.app.state.admin_token
     if token:
-        header = f"{cred.scheme} {cred.credentials}".encode() if cred else b""
+        header = dict(request.scope["headers"]).get(b"authorization", b"")
         error = check_token(header, token)
         if error is not None:
             raise HTTPException(*error)
@@ -232,11 +234,17 @@ def create_app(daemon: Daemon) -> FastAPI:
             raise HTTPException(404, f"namespace {hex_fp.lower()} is not registered")
         return fp
 
-    @app.get("/healthz", summary="liveness and readiness")
+    @app.get("/healthz", summary="readiness: L1 mapped, L2 usable")
     async def healthz() -> JSONResponse:
         checks = {"l1_mapped": not daemon.segment.buf.closed}
+        reasons = {"l1_mapped": "the L1 segment is not mapped"}
+        if daemon.l2 is not None:
+            checks["l2"], reasons["l2"] = daemon.l2.health()
         ready = all(checks.values())
-        return JSONResponse({"ok": ready, "checks": checks}, status_code=200 if ready else 503)
+        body: dict[str, Any] = {"ok": ready, "checks": checks}
+        if not ready:
+            body["reasons"] = {name: reasons[name] for name, ok in checks.items() if not ok}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/status", summary="capacity, usage, namespaces, clients and policy")
     async def status() -> dict:
@@ -286,15 +294,19 @@ def create_app(daemon: Daemon) -> FastAPI:
         registered = fp is None or fp in store.namespaces
         if not registered and l2 is None:
             raise HTTPException(404, f"namespace {body.namespace.lower()} is not registered")
-        done = {L1: store.clear(fp) if registered else (0, 0)} if tiers[L1] else {}
+        done: dict[str, dict[str, int]] = {}
+        if tiers[L1]:
+            n, b = store.clear(fp) if registered else (0, 0)
+            done[L1] = {"entries": n, "bytes": b}
         if l2 is not None and tiers["l2"]:
-            done["l2"] = await l2.clear(fp)
-            if not registered and done["l2"][0] == 0:
+            c = await l2.clear(fp)
+            # `failed`: files it could not remove (their chunks are forgotten: never served again)
+            done["l2"] = {"entries": c.entries, "bytes": c.nbytes, "failed": c.failed}
+            if not registered and c.entries == 0:
                 raise HTTPException(404, f"namespace {body.namespace.lower()} is neither registered nor in L2")
-        entries, nbytes = sum(n for n, _ in done.values()), sum(b for _, b in done.values())
+        entries, nbytes = sum(t["entries"] for t in done.values()), sum(t["bytes"] for t in done.values())
         log.info("admin: cleared %d chunks (%d bytes), scope %s", entries, nbytes, body.scope)
-        return {"cleared_entries": entries, "cleared_bytes": nbytes,
-                "tiers": {t: {"entries": n, "bytes": b} for t, (n, b) in done.items()},
+        return {"cleared_entries": entries, "cleared_bytes": nbytes, "tiers": done,
                 "used_bytes": store.pool.used_pages * store.pool.page_size}
 
     def pin(body: PinRequest, delta: int) -> dict:

@@ -112,8 +112,10 @@ def render(status: dict[str, Any]) -> str:
     clients = status.get("clients", [])
     out += ["", f"Clients ({len(clients)})"]
     if clients:
-        rows = [[str(c.get("instance", ""))[:48], str(c.get("pid", "")),
-                 f"{c.get('last_seen_s_ago', 0):.1f}s ago", str(c.get("leases", 0)), str(c.get("reservations", 0))]
+        rows = [[str(c.get("instance", ""))[:48], str(c.get("pid", "")), str(c.get("state", "")),
+                 f"{c.get('last_seen_s_ago', 0):.1f}s ago", str(c.get("leases", 0)), str(c.get("reservations", 0)),
+                 human_bytes(c.get("held_back_bytes", 0))]
                 for c in clients]
-        out.append(table(["INSTANCE", "PID", "LAST SEEN", "LEASES", "WRITES"], rows, {1, 2, 3, 4}))
+        out.append(table(["INSTANCE", "PID", "STATE", "LAST SEEN", "LEASES", "WRITES", "HELD BACK"], rows,
+                         {1, 3, 4, 5, 6}))
     return "\n".join(out)

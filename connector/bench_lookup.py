@@ -85,7 +85,7 @@ class Echo:
         self.sock.send(p.pack(message))
         if not self.sock.poll(5000):
             raise RuntimeError("echo timed out")
-        return p.unpack(self.sock.recv())
+        return p.unpack_reply(self.sock.recv())
 
     def close(self) -> None:
         self.sock.close(0)
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     idle = None if args.no_idle else idle_server()
     levels = [n for n in LEVELS if n <= args.max_entries] or [args.max_entries]
     top = max(levels)
-    page_kb = 1
+    page_kb = 2  # one page per chunk: MIN_BLOCK_BYTES per block of the 2-block chunks
     l1_gb = max(0.01, (top + 2 * args.keys) * page_kb * 1024 / (1 << 30) * 1.01)
     ns = Namespace(model="kvtier-bench-lookup", dtype="bfloat16", num_layers=32, kv_heads=8, head_size=128,
                    block_size=128, layout="cpu-bench", chunk_size=256)

@@ -24,6 +24,7 @@ import zmq
 from kvtier.connector.pages import PageSpan
 from kvtier.server import protocol as p
 from kvtier.server.keys import ChunkKeys, Namespace, chunk_keys
+from kvtier.shm.client_lock import ClientLock
 from kvtier.shm.segment import Segment
 
 log = logging.getLogger("kvtier.client")
@@ -107,6 +108,14 @@ class StoreResult:
     busy: int = 0
     refused: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def merged(cls, parts: list[StoreResult]) -> StoreResult:
+        out = cls(sum(r.stored for r in parts), sum(r.existing for r in parts), sum(r.busy for r in parts))
+        for r in parts:
+            for reason, n in r.refused.items():
+                out.refused[reason] = out.refused.get(reason, 0) + n
+        return out
+
 
 @dataclass(frozen=True)
 class ReadChunk:
@@ -135,6 +144,7 @@ class KVTierClient:
         self.server_id = ""
         self._namespaces: dict[Namespace, bytes] = {}
         self._next_attempt = 0.0
+        self._alive: ClientLock | None = None  # liveness lock beside the server's segment (docs/protocol.md)
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -159,6 +169,9 @@ class KVTierClient:
                 with contextlib.suppress(KVTierUnavailable, KVTierError):
                     self._call({"op": "bye"}, timeout=0.2)
             self._reset()
+            if self._alive is not None:
+                self._alive.close()
+                self._alive = None
 
     def _reset(self) -> None:
         if self._sock is not None:
@@ -176,11 +189,17 @@ class KVTierClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.config.url)
         self._sock = sock
-        reply = self._call(
-            {"op": "hello", "version": p.PROTOCOL_VERSION, "instance": self.config.instance,
-             "pid": os.getpid(), "token": self.config.token},
-            timeout=self.config.connect_timeout_s,
-        )
+        hello = {"op": "hello", "version": p.PROTOCOL_VERSION, "instance": self.config.instance,
+                 "pid": os.getpid(), "token": self.config.token}
+        alive = self._alive
+        reply = self._call({**hello, "lock": alive.name if alive else ""}, timeout=self.config.connect_timeout_s)
+        if alive is None or (alive.directory, alive.segment_name) != (reply["shm_dir"], reply["shm_name"]):
+            # first contact (or a server with another segment): hold a lock file beside its segment, so
+            # the server can tell this process is alive while it copies; then register with it
+            if alive is not None:
+                alive.close()
+            self._alive = alive = ClientLock(reply["shm_dir"], reply["shm_name"])
+            reply = self._call({**hello, "lock": alive.name}, timeout=self.config.connect_timeout_s)
         segment = Segment.attach(reply["shm_name"], reply["shm_size"], reply["shm_dir"])
         self._segment = segment
         self._segment_array = segment.array()
@@ -201,7 +220,7 @@ class KVTierClient:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or not self._sock.poll(remaining * 1000):
                     raise KVTierUnavailable(f"no reply from {self.config.url} within the timeout")
-                reply = p.unpack(self._sock.recv())
+                reply = p.unpack_reply(self._sock.recv())
                 if reply.get("id") == rid:
                     break
         except (zmq.ZMQError, p.ProtocolError) as exc:
@@ -290,6 +309,10 @@ class KVTierClient:
 
     def store_chunks(self, ns: Namespace, chunks: list[ChunkKeys], sizes: Callable[[ChunkKeys], int],
                      write: WriteFn) -> StoreResult:
+        if len(chunks) > p.MAX_STORE_ITEMS:  # one reserve holds at most MAX_STORE_ITEMS items
+            parts = [self.store_chunks(ns, chunks[i:i + p.MAX_STORE_ITEMS], sizes, write)
+                     for i in range(0, len(chunks), p.MAX_STORE_ITEMS)]
+            return StoreResult.merged(parts)
         result = StoreResult()
         if not chunks:
             return result
@@ -334,7 +357,9 @@ class KVTierClient:
                  max_blocks: int | None = None) -> int:
         """Copy out the longest stored prefix of `token_ids` (lookup, lease, `read` each chunk, release).
 
-        Returns the number of prefix tokens whose bytes `read` received; 0 on a miss or an error.
+        Returns the number of prefix tokens whose bytes `read` received; 0 on a miss or an error, and 0
+        when the server could not confirm the lease held to the end (the bytes read may be another chunk's:
+        the caller must treat them as a load error).
         """
         chunks = chunk_keys(ns, token_ids)
         if not chunks:
@@ -362,6 +387,7 @@ class KVTierClient:
 
     def _read_leased(self, chunks: list[ChunkKeys], reply: dict[str, Any], read: ReadFn,
                      max_blocks: int | None) -> int:
+        """Blocks read under the reply's lease, or 0 unless the release confirms the lease held."""
         blocks = 0
         try:
             for chunk, item in zip(chunks, reply["items"], strict=False):
@@ -377,6 +403,8 @@ class KVTierClient:
                 if match < len(chunk.block_keys):
                     break
         finally:
-            if reply.get("lease"):
-                self._request({"op": "release", "leases": [reply["lease"]]})
+            released = self._request({"op": "release", "leases": [reply["lease"]]}) if reply.get("lease") else None
+        if blocks and not (released and released.get("released") == 1):
+            log.warning("kvtier: a read outlived its lease (or the server went away): %d blocks dropped", blocks)
+            return 0
         return blocks

@@ -17,19 +17,25 @@ class PageSpan:
         self.size = size
         self._runs: list[tuple[int, int]] = []  # (segment offset, length) per extent
         self._starts: list[int] = []  # logical offset at which each run starts
+        if len(extents) % 2:
+            raise ValueError("extents are (first page, page count) pairs")
+        segment_pages = len(segment) // page_size
         logical = 0
         for i in range(0, len(extents), 2):
-            length = min(extents[i + 1] * page_size, size - logical)
+            first, count = extents[i], extents[i + 1]
+            # Both ends of every run, before any copy: numpy would follow a negative page number to the
+            # segment's last pages.
+            if not (isinstance(first, int) and isinstance(count, int) and first >= 0 and count > 0
+                    and first + count <= segment_pages):
+                raise ValueError(f"page run ({first}, {count}) lies outside the {segment_pages}-page segment")
+            length = min(count * page_size, size - logical)
             if length <= 0:
                 break
             self._starts.append(logical)
-            self._runs.append((extents[i] * page_size, length))
+            self._runs.append((first * page_size, length))
             logical += length
         if logical < size:
             raise ValueError(f"pages hold {logical} bytes, chunk has {size}")
-        end = max(off + n for off, n in self._runs)
-        if end > len(segment):
-            raise ValueError("pages lie outside the mapped segment")
         self._segment = segment
 
     def pieces(self, offset: int, length: int) -> Iterator[tuple[int, np.ndarray]]:

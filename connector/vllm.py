@@ -273,7 +273,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 loaded.update(range(base + lo, base + hi))
 
         try:
-            self.client.retrieve_prefix(self.namespace(spec.salt), spec.token_ids, read)
+            if not self.client.retrieve_prefix(self.namespace(spec.salt), spec.token_ids, read):
+                return set()  # nothing, or a read the server could not vouch for: every block recomputes
         except Exception:  # a broken load is a miss; the blocks are reported and recomputed
             log.exception("kvtier load failed for request %s", spec.req_id)
             return set()

@@ -2,6 +2,12 @@
 
 All bookkeeping is O(1) per key. The server never touches chunk bytes here: clients copy into pages
 they reserved (reserve -> copy -> commit) and out of pages they leased (acquire -> copy -> release).
+
+Ownership rule (docs/security.md): pages a client may still be touching are never given to anyone else.
+A reservation or lease that outlives its TTL, or whose client went silent or said hello again, *lapses*: it
+no longer counts (a commit stores nothing, a release reports the read as lost) but its pages stay out of
+the free list, "held back", until that client commits, aborts, releases or says bye, or its lock file
+(shm/client_lock.py) shows it is dead.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from kvtier.server.eviction.base import EvictionPolicy
 from kvtier.server.keys import Namespace, chunk_keys
 from kvtier.server.l1_pool import Extents, PagePool, extent_pages
 from kvtier.server.metrics import Metrics
+from kvtier.shm.client_lock import LockDirectory
 
 L1 = "l1"
 
@@ -42,32 +49,36 @@ class Entry:
         return not (self.readers or self.pins or self.doomed)
 
 
-@dataclass(slots=True)
-class Reservation:
-    rid: int
-    owner: bytes
-    ns: bytes
-    item: p.StoreItem
-    extents: Extents
-    deadline: float
-
-
-@dataclass(slots=True)
-class Lease:
-    lid: int
-    owner: bytes
-    entries: list[Entry]
-    deadline: float
-
-
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class ClientState:
     ident: bytes
     instance: str
     pid: int
     last_seen: float
-    reservations: set[int] = field(default_factory=set)
+    lock: str = ""  # the client's liveness lock file beside the segment ("" = none: it may not hold pages)
+    reservations: set[int] = field(default_factory=set)  # live and lapsed
     leases: set[int] = field(default_factory=set)
+    namespaces: set[bytes] = field(default_factory=set)  # fingerprints it registered
+
+
+@dataclass(slots=True)
+class Reservation:
+    rid: int
+    owner: ClientState
+    ns: bytes
+    item: p.StoreItem
+    extents: Extents
+    deadline: float
+    lapsed: bool = False  # expired or its client retired: not committable, pages held back
+
+
+@dataclass(slots=True)
+class Lease:
+    lid: int
+    owner: ClientState
+    entries: list[Entry]
+    deadline: float
+    lapsed: bool = False  # expired or its client retired: the read is lost, its entries stay put
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +95,8 @@ class AcquiredChunk:
 
 
 TOUCH_BACKLOG_MAX = 1024
+MAX_NAMESPACES = 4096  # registered at once, all clients together
+MAX_CLIENT_NAMESPACES = 64
 
 
 class ChunkStore:
@@ -96,6 +109,8 @@ class ChunkStore:
         reservation_ttl_s: float = 30.0,
         client_timeout_s: float = 15.0,
         clock: Callable[[], float] = time.monotonic,
+        locks: LockDirectory | None = None,
+        min_block_bytes: int = p.MIN_BLOCK_BYTES,
     ) -> None:
         self.pool = pool
         self.policy = policy
@@ -104,6 +119,8 @@ class ChunkStore:
         self.reservation_ttl_s = reservation_ttl_s
         self.client_timeout_s = client_timeout_s
         self.clock = clock
+        self.min_block_bytes = min_block_bytes
+        self.locks = locks  # None: no liveness check (nothing is ever known dead; clients need no lock)
         self.namespaces: dict[bytes, Namespace] = {}
         self.ns_usage: dict[bytes, list[int]] = {}  # fingerprint -> [entries, bytes]
         self.entries: dict[bytes, Entry] = {}
@@ -115,6 +132,8 @@ class ChunkStore:
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
         self.clients: dict[bytes, ClientState] = {}
+        # Clients gone silent or registered again whose lapsed holdings are held back, by id().
+        self.retired: dict[int, ClientState] = {}
         self.evictable_pages = 0
         self.pinned_pages = 0
         self.backed_bytes = 0  # of the segment, known to have memory behind it (the daemon's prefault)
@@ -130,11 +149,14 @@ class ChunkStore:
 
     # -- clients and namespaces ------------------------------------------------------------------
 
-    def hello(self, ident: bytes, instance: str, pid: int) -> None:
-        old = self.clients.pop(ident, None)
-        if old is not None:
-            self._drop_client_holdings(old)
-        self.clients[ident] = ClientState(ident, instance, pid, self.clock())
+    def hello(self, ident: bytes, instance: str, pid: int, lock: str = "") -> None:
+        """Register a client; one that says hello again keeps nothing of its old registration (its
+        holdings lapse). A `lock` must name a lock file the client holds."""
+        self.retire(ident)
+        if lock and (self.locks is None or not self.locks.alive(lock)):
+            raise p.ProtocolError(p.BAD_REQUEST, "lock must name a client lock file beside the segment that "
+                                  "the client holds (docs/protocol.md)")
+        self.clients[ident] = ClientState(ident, instance, pid, self.clock(), lock)
         self._update_gauges()
 
     def client(self, ident: bytes) -> ClientState:
@@ -144,11 +166,49 @@ class ChunkStore:
         state.last_seen = self.clock()
         return state
 
-    def register(self, namespace: Namespace) -> bytes:
+    def caller(self, ident: bytes) -> ClientState:
+        """The registered client, or a stand-in with no rights but to settle what `ident` still holds
+        back (a commit, abort or release from a client that was retired while it was stopped)."""
+        return self.clients.get(ident) or ClientState(ident, "", 0, 0.0)
+
+    def retire(self, ident: bytes) -> None:
+        """Unregister a client: its reservations and leases lapse, their pages held back (module doc)."""
+        client = self.clients.pop(ident, None)
+        if client is None:
+            return
+        for rid in client.reservations:
+            self._lapse_reservation(self.reservations[rid])
+        for lid in client.leases:
+            self._lapse_lease(self.leases[lid])
+        if client.reservations or client.leases:
+            self.retired[id(client)] = client
+        self._update_gauges()
+
+    def _may_hold_pages(self, owner: ClientState) -> None:
+        if self.locks is not None and not owner.lock:
+            raise p.ProtocolError(p.BAD_REQUEST, "a client must hold a lock file (hello with `lock`) before it "
+                                  "may reserve or acquire pages (docs/protocol.md)")
+
+    def register(self, namespace: Namespace, owner: ClientState | None = None) -> bytes:
         fp = namespace.fingerprint()
+        if fp not in self.namespaces and len(self.namespaces) >= MAX_NAMESPACES:
+            raise p.ProtocolError(p.BAD_REQUEST, f"the server holds {MAX_NAMESPACES} namespaces already")
+        if owner is not None and fp not in owner.namespaces:
+            if len(owner.namespaces) >= MAX_CLIENT_NAMESPACES:
+                raise p.ProtocolError(p.BAD_REQUEST, f"a client may register at most {MAX_CLIENT_NAMESPACES} "
+                                      "namespaces")
+            owner.namespaces.add(fp)
         self.namespaces.setdefault(fp, namespace)
         self.ns_usage.setdefault(fp, [0, 0])
         return fp
+
+    def _forget_unused_namespaces(self) -> None:
+        """Drop namespaces no registered client names and no chunk or open write is in."""
+        named = {fp for c in self.clients.values() for fp in c.namespaces}
+        named.update(r.ns for r in self.reservations.values())
+        for fp in [fp for fp in self.namespaces if fp not in named and not self.ns_usage.get(fp, (0,))[0]]:
+            del self.namespaces[fp]
+            self.ns_usage.pop(fp, None)
 
     def namespace(self, fp: bytes) -> Namespace:
         ns = self.namespaces.get(fp)
@@ -172,6 +232,13 @@ class ChunkStore:
         found = list(map(get, map(itemgetter(-1), chunks)))
         lengths = list(map(len, chunks))
         n = found.index(None) if None in found else len(found)
+        # Keys are chained from the namespace, so keys of another namespace show at both ends of the prefix;
+        # a list that mixes chains is filtered here only if an end gives it away, and acquire checks every
+        # entry it leases: bytes of another namespace are never handed out.
+        if n and (found[0][0].ns != fp or found[n - 1][0].ns != fp):
+            found = [f if f is not None and f[0].ns == fp else None for f in found]
+            get = self._getter(fp)
+            n = found.index(None) if None in found else len(found)
         matches = list(map(itemgetter(1), found[:n]))
         if matches and (min(matches) < bpc or max(lengths) > bpc):  # not all whole: find the first that isn't
             pairs = enumerate(zip(matches, lengths, strict=False))
@@ -179,7 +246,7 @@ class ChunkStore:
         hits: list[tuple[Entry, int]] = found[:n]
         if n < len(chunks):  # the prefix ends in chunk n: at its longest stored leading run, if any
             last = found[n] or next(filter(None, map(get, reversed(chunks[n][:-1]))), None)
-            if last is not None:
+            if last is not None and last[0].ns == fp:
                 hits.append(last)
         if hits:
             self._touch_backlog.append(hits)
@@ -192,6 +259,16 @@ class ChunkStore:
         if hits:
             self._m_hit_tokens_l1.inc(sum(map(itemgetter(1), hits)) * ns.block_size)
         return hits
+
+    def _getter(self, fp: bytes) -> Callable[[bytes], tuple[Entry, int] | None]:
+        """index.get that sees only entries of namespace `fp`."""
+        index = self.index
+
+        def get(key: bytes) -> tuple[Entry, int] | None:
+            found = index.get(key)
+            return found if found is not None and found[0].ns == fp else None
+
+        return get
 
     def flush_touches(self) -> None:
         """Apply queued lookup hits to the policy, each prefix back to front: its first chunk becomes the
@@ -206,7 +283,11 @@ class ChunkStore:
 
     def reserve(self, owner: ClientState, fp: bytes, items: list[p.StoreItem]) -> list[list]:
         """Per item: [status, reservation id, extents] or [REFUSED, reason] / [EXISTS] / [BUSY]."""
-        self.namespace(fp)
+        self._may_hold_pages(owner)
+        ns = self.namespace(fp)
+        pool = self.pool
+        for item in items:
+            item.check_fits(ns.blocks_per_chunk, pool.pages_for(item.size) * pool.page_size, self.min_block_bytes)
         now = self.clock()
         results: list[list] = []
         for item in items:
@@ -232,7 +313,7 @@ class ChunkStore:
             extents = self.pool.allocate(npages)
             assert extents is not None  # _make_room guaranteed the pages
             rid = next(self._ids)
-            self.reservations[rid] = Reservation(rid, owner.ident, fp, item, extents, now + self.reservation_ttl_s)
+            self.reservations[rid] = Reservation(rid, owner, fp, item, extents, now + self.reservation_ttl_s)
             self.pending[item.key] = rid
             owner.reservations.add(rid)
             results.append([p.RESERVED, rid, list(extents)])
@@ -258,12 +339,17 @@ class ChunkStore:
         return entry is not None and entry.evictable
 
     def commit(self, owner: ClientState, rids: Iterable[int]) -> int:
+        """Make the owner's reservations visible; a lapsed one stores nothing and frees its pages."""
         done = 0
         for rid in reversed(list(rids)):  # a prefix's first chunk enters the policy last (most recent)
             res = self._own_reservation(owner, rid)
             if res is None:
                 continue
             self._finish_reservation(res)
+            if res.lapsed:
+                self.pool.release(res.extents)
+                self.metrics.store_skipped.labels("lapsed").inc()
+                continue
             self.metrics.store_seconds.observe(max(0.0, self.clock() - res.deadline + self.reservation_ttl_s))
             item = res.item
             entry = self.insert(Entry(item.key, res.ns, item.size, item.blocks, res.extents, item.aliases))
@@ -273,6 +359,7 @@ class ChunkStore:
             if self.on_commit is not None:
                 self.on_commit(entry)
             done += 1
+        self._shed("resize")  # commits after a shrink leave as they commit
         self._update_gauges()
         return done
 
@@ -315,25 +402,46 @@ class ChunkStore:
 
     def _own_reservation(self, owner: ClientState, rid: int) -> Reservation | None:
         res = self.reservations.get(rid)
-        return res if res is not None and res.owner == owner.ident else None
+        return res if res is not None and res.owner.ident == owner.ident else None
 
     def _finish_reservation(self, res: Reservation) -> None:
         del self.reservations[res.rid]
         if self.pending.get(res.item.key) == res.rid:
             del self.pending[res.item.key]
-        client = self.clients.get(res.owner)
-        if client is not None:
-            client.reservations.discard(res.rid)
+        res.owner.reservations.discard(res.rid)
+        self._settled(res.owner)
+
+    def _lapse_reservation(self, res: Reservation) -> None:
+        if res.lapsed:
+            return
+        res.lapsed = True
+        if self.pending.get(res.item.key) == res.rid:
+            del self.pending[res.item.key]  # the key may be stored by someone else, into other pages
+        self.metrics.reservations_expired.inc()
+
+    def _lapse_lease(self, lease: Lease) -> None:
+        """The read no longer counts; its entries stay put (readers held) until the client releases."""
+        if not lease.lapsed:
+            lease.lapsed = True
+            self.metrics.leases_expired.inc()
+
+    def _settled(self, client: ClientState) -> None:
+        if not (client.reservations or client.leases):
+            self.retired.pop(id(client), None)
 
     # -- read ------------------------------------------------------------------------------------
 
-    def acquire(self, owner: ClientState, keys: Iterable[bytes]) -> tuple[int, list[AcquiredChunk | None]]:
-        """Lease the chunks found under `keys` so they stay put while the client copies them out."""
+    def acquire(self, owner: ClientState, fp: bytes, keys: Iterable[bytes]
+                ) -> tuple[int, list[AcquiredChunk | None]]:
+        """Lease the chunks of namespace `fp` found under `keys` so they stay put while the client copies
+        them out."""
+        self._may_hold_pages(owner)
+        self.namespace(fp)
         entries: list[Entry] = []
         out: list[AcquiredChunk | None] = []
         for key in keys:
             found = self.index.get(key)
-            if found is None:
+            if found is None or found[0].ns != fp:
                 out.append(None)
                 continue
             entry, match = found
@@ -345,23 +453,23 @@ class ChunkStore:
         if not entries:
             return 0, out
         lid = next(self._ids)
-        self.leases[lid] = Lease(lid, owner.ident, entries, self.clock() + self.lease_ttl_s)
+        self.leases[lid] = Lease(lid, owner, entries, self.clock() + self.lease_ttl_s)
         owner.leases.add(lid)
         return lid, out
 
     def release(self, owner: ClientState, lid: int) -> bool:
+        """End a lease; False when it is not the owner's or had lapsed (the bytes read may be wrong)."""
         lease = self.leases.get(lid)
-        if lease is None or lease.owner != owner.ident:
+        if lease is None or lease.owner.ident != owner.ident:
             return False
         self.metrics.retrieve_seconds.observe(max(0.0, self.clock() - lease.deadline + self.lease_ttl_s))
         self._end_lease(lease)
-        return True
+        return not lease.lapsed
 
     def _end_lease(self, lease: Lease) -> None:
         del self.leases[lease.lid]
-        client = self.clients.get(lease.owner)
-        if client is not None:
-            client.leases.discard(lease.lid)
+        lease.owner.leases.discard(lease.lid)
+        self._settled(lease.owner)
         for entry in lease.entries:
             self._add_readers(entry, -1)
         self._update_gauges()
@@ -442,40 +550,81 @@ class ChunkStore:
     # -- expiry ----------------------------------------------------------------------------------
 
     def sweep(self) -> None:
-        """Reclaim expired leases and reservations, and everything held by clients that went silent."""
+        """Lapse expired leases and reservations and the holdings of clients gone silent; free what dead
+        clients held back; forget namespaces nobody uses."""
         self.flush_touches()
         now = self.clock()
-        for client in [c for c in self.clients.values() if now - c.last_seen > self.client_timeout_s]:
-            del self.clients[client.ident]
-            self._drop_client_holdings(client)
-            self.metrics.clients_lost.inc()
-        for lease in [le for le in self.leases.values() if le.deadline < now]:
-            self._end_lease(lease)
-            self.metrics.leases_expired.inc()
-        for res in [r for r in self.reservations.values() if r.deadline < now]:
+        for client in list(self.clients.values()):
+            if self._dead(client):
+                self.drop_client(client.ident)
+                self.metrics.clients_lost.inc()
+            elif now - client.last_seen > self.client_timeout_s:
+                self.retire(client.ident)
+                self.metrics.clients_lost.inc()
+        for lease in self.leases.values():
+            if lease.deadline < now:
+                self._lapse_lease(lease)
+        for res in self.reservations.values():
+            if res.deadline < now:
+                self._lapse_reservation(res)
+        for client in [c for c in self.retired.values() if self._dead(c)]:
+            self._free_holdings(client)
+        self._forget_unused_namespaces()
+        self._update_gauges()
+        self.metrics.held_back_bytes.set(sum(self.held_back().values()) * self.pool.page_size)
+
+    def _dead(self, client: ClientState) -> bool:
+        """Known to be gone: its lock file is no longer locked (a client without one is never known dead)."""
+        if self.locks is None or not client.lock or self.locks.alive(client.lock):
+            return False
+        self.locks.remove_dead(client.lock)
+        return True
+
+    def _free_holdings(self, client: ClientState) -> None:
+        for lid in list(client.leases):
+            self._end_lease(self.leases[lid])
+        for rid in list(client.reservations):
+            res = self.reservations[rid]
             self._finish_reservation(res)
             self.pool.release(res.extents)
-            self.metrics.reservations_expired.inc()
-        self._update_gauges()
-
-    def _drop_client_holdings(self, client: ClientState) -> None:
-        for lid in list(client.leases):
-            lease = self.leases.get(lid)
-            if lease is not None:
-                self._end_lease(lease)
-                self.metrics.leases_expired.inc()
-        for rid in list(client.reservations):
-            res = self.reservations.get(rid)
-            if res is not None:
-                self._finish_reservation(res)
-                self.pool.release(res.extents)
-                self.metrics.reservations_expired.inc()
+        self.retired.pop(id(client), None)
 
     def drop_client(self, ident: bytes) -> None:
+        """A client that said bye (or died): everything it held, registered or retired, is freed."""
         client = self.clients.pop(ident, None)
         if client is not None:
-            self._drop_client_holdings(client)
-            self._update_gauges()
+            self._free_holdings(client)
+        for old in [c for c in self.retired.values() if c.ident == ident]:
+            self._free_holdings(old)
+        self._update_gauges()
+
+    def _shed(self, reason: str) -> tuple[int, int]:
+        """Evict (policy order) while L1 uses more pages than its budget; returns (entries, bytes)."""
+        pool = self.pool
+        self.flush_touches()
+        evicted = freed = 0
+        while pool.used_pages > pool.num_pages:
+            key = self.policy.pick_victim(self._is_evictable)
+            if key is None:
+                break
+            entry = self.entries[key]
+            self._remove(entry, reason)
+            evicted += 1
+            freed += entry.size
+        return evicted, freed
+
+    def held_back(self) -> dict[int, int]:
+        """Pages held back per retired or registered client (by id()): lapsed reservations, and the entries
+        of lapsed leases."""
+        out: dict[int, int] = {}
+        for res in self.reservations.values():
+            if res.lapsed:
+                out[id(res.owner)] = out.get(id(res.owner), 0) + extent_pages(res.extents)
+        for lease in self.leases.values():
+            if lease.lapsed:
+                pages = sum(e.pages for e in {id(e): e for e in lease.entries}.values())
+                out[id(lease.owner)] = out.get(id(lease.owner), 0) + pages
+        return out
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -500,6 +649,7 @@ class ChunkStore:
             "reservations": len(self.reservations),
             "leases": len(self.leases),
             "clients": len(self.clients),
+            "held_back_bytes": sum(self.held_back().values()) * ps,
             "evictable_bytes": self.evictable_pages * ps,
             "pinned_bytes": self.pinned_pages * ps,
             "policy": self.policy.name,
@@ -567,16 +717,7 @@ class ChunkStore:
             )
         old = pool.num_pages
         pool.set_budget(num_pages)
-        self.flush_touches()
-        evicted = freed = 0
-        while pool.used_pages > num_pages:
-            key = self.policy.pick_victim(self._is_evictable)
-            if key is None:
-                break
-            entry = self.entries[key]
-            self._remove(entry, "resize")
-            evicted += 1
-            freed += entry.size
+        evicted, freed = self._shed("resize")
         self.metrics.l1_capacity.set(num_pages * ps)
         self._update_gauges()
         return {
@@ -622,11 +763,15 @@ class ChunkStore:
         return out
 
     def client_stats(self) -> list[dict]:
-        now = self.clock()
+        """Registered clients, then retired ones that still hold pages back (state "retired")."""
+        now, ps = self.clock(), self.pool.page_size
+        held = self.held_back()
         return [
-            {"instance": c.instance, "pid": c.pid, "last_seen_s_ago": round(now - c.last_seen, 3),
-             "leases": len(c.leases), "reservations": len(c.reservations)}
-            for c in self.clients.values()
+            {"instance": c.instance, "pid": c.pid, "state": state, "last_seen_s_ago": round(now - c.last_seen, 3),
+             "leases": len(c.leases), "reservations": len(c.reservations),
+             "held_back_bytes": held.get(id(c), 0) * ps}
+            for state, clients in (("registered", self.clients.values()), ("retired", self.retired.values()))
+            for c in clients
         ]
 
 

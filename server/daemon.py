@@ -21,6 +21,7 @@ from kvtier.server.eviction import make_policy
 from kvtier.server.l1_pool import PagePool
 from kvtier.server.metrics import Metrics
 from kvtier.server.rpc import RequestHandler
+from kvtier.shm.client_lock import LockDirectory
 from kvtier.shm.segment import Segment, tmpfs_options
 
 log = logging.getLogger("kvtier.server")
@@ -45,6 +46,8 @@ class Daemon:
         num_pages = config.l1_bytes // config.page_size
         self.segment = Segment.create(config.segment_name, num_pages * config.page_size, int(config.shm_mode, 8),
                                       config.shm_dir)
+        self.locks = LockDirectory(config.shm_dir, self.segment.name)
+        self.locks.sweep()  # lock files of clients of an earlier server that died
         self.store = ChunkStore(
             PagePool(num_pages, config.page_size),
             make_policy(config.eviction_policy),
@@ -52,6 +55,7 @@ class Daemon:
             lease_ttl_s=config.lease_ttl_s,
             reservation_ttl_s=config.reservation_ttl_s,
             client_timeout_s=config.client_timeout_s,
+            locks=self.locks,
         )
         segment_info = {"shm_name": self.segment.name, "shm_dir": config.shm_dir, "shm_size": self.segment.size,
                         "page_size": config.page_size}
@@ -125,6 +129,7 @@ class Daemon:
             sock.close(0)
             ctx.term()
             self.segment.close()
+            self.locks.sweep()
             log.info("kvtier server stopped; shared-memory segment removed")
 
     async def _receive(self, sock: zmq.Socket) -> None:

@@ -16,6 +16,10 @@ import msgpack
 import numpy as np
 
 KEY_BYTES = 16
+# Bounds on a namespace sent by a client (docs/protocol.md).
+MAX_NS_STR = 512
+MAX_NS_INT = 1 << 20
+MAX_BLOCKS_PER_CHUNK = 4096
 
 
 def digest(data: bytes) -> bytes:
@@ -57,18 +61,34 @@ class Namespace:
 
     @classmethod
     def from_dict(cls, data: dict) -> Namespace:
+        """A namespace from a client: every field checked for type and size before anything is built."""
         if not isinstance(data, dict):
             raise ValueError("namespace must be a map")
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = set(data) - known
+        fields = cls.__dataclass_fields__
+        if len(data) > len(fields):
+            raise ValueError(f"a namespace has at most {len(fields)} fields")
+        unknown = [k for k in data if k not in fields]
         if unknown:
-            raise ValueError(f"unknown namespace fields: {sorted(unknown)}")
-        return cls(**data)
+            raise ValueError(f"unknown namespace fields: {sorted(map(str, unknown))[:5]}")
+        for name, value in data.items():
+            _check_field(name, fields[name].type, value)
+        ns = cls(**data)
+        if ns.blocks_per_chunk > MAX_BLOCKS_PER_CHUNK:
+            raise ValueError(f"a chunk may hold at most {MAX_BLOCKS_PER_CHUNK} blocks")
+        return ns
 
     def fingerprint(self) -> bytes:
         """Canonical encoding (sorted keys) hashed: equal namespaces give equal fingerprints everywhere."""
         canonical = msgpack.packb(_sorted(self.to_dict()), use_bin_type=True)
         return digest(b"kvtier-ns-v1\x00" + canonical)
+
+
+def _check_field(name: str, kind: object, value: object) -> None:
+    if kind == "str":
+        if not isinstance(value, str) or len(value) > MAX_NS_STR:
+            raise ValueError(f"namespace field {name!r} must be a string of at most {MAX_NS_STR} characters")
+    elif isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_NS_INT:
+        raise ValueError(f"namespace field {name!r} must be an integer in [0, {MAX_NS_INT}]")
 
 
 def _sorted(value: object) -> object:

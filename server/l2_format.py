@@ -25,6 +25,7 @@ import errno
 import mmap
 import os
 import re
+import stat
 import struct
 import threading
 import zlib
@@ -174,15 +175,30 @@ def decode_header(buf: bytes) -> tuple[ChunkMeta, bytes, bytes]:
     return ChunkMeta(key, ns, blocks, aliases, size), bytes(buf[:fields_end]), bytes(buf[fields_end:header_len])
 
 
+def open_regular(path: str, flags: int = 0) -> tuple[int, os.stat_result]:
+    """Open `path` for reading if it is a regular file: (fd, its stat). Never blocks and never follows a
+    symlink: a FIFO's open would wait for a writer for ever, so the open is non-blocking, and anything but
+    a regular file (FIFO, directory, device) is CorruptChunk. The returned fd is blocking again."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | flags)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptChunk("not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def read_meta(path: str) -> ChunkMeta:
     """The header of a chunk file, checked against the file's size and name (no payload read)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd, st = open_regular(path)
     try:
-        st_size = os.fstat(fd).st_size
         meta, _, _ = decode_header(os.pread(fd, MAX_HEADER, 0))
     finally:
         os.close(fd)
-    if st_size != meta.file_bytes:
+    if st.st_size != meta.file_bytes:
         raise CorruptChunk("file size does not match its header")
     if os.path.basename(path) != file_name(meta.key):
         raise CorruptChunk("file name does not match the key in its header")
@@ -232,8 +248,9 @@ def probe_odirect(directory: str) -> bool:
 
 def read_payload(path: str, meta: ChunkMeta, bufs: Sequence[memoryview], odirect: bool = False) -> None:
     """Read a file's payload into the writable byte buffers `bufs` (meta.size bytes in all, in order) and
-    verify its checksum, hashed from `bufs` themselves (no copy). CorruptChunk when the header changed, the
-    size is off, the padding is not zero or the checksum mismatches; `bufs` then hold junk to drop.
+    verify its checksum, hashed from `bufs` themselves (no copy). CorruptChunk when the path is not a
+    regular file (`open_regular`), the header changed, the size is off, the padding is not zero or the
+    checksum mismatches; `bufs` then hold junk to drop.
 
     With `odirect` the read uses O_DIRECT when `bufs` allow it (page-aligned, every length but the last a
     multiple of ALIGN: L1 pages do), as one request for the whole file (one preadv: the header into a small
@@ -247,16 +264,15 @@ def read_payload(path: str, meta: ChunkMeta, bufs: Sequence[memoryview], odirect
     if sum(len(b) for b in bufs) != meta.size:
         raise ValueError("buffers do not add up to the payload size")
     direct = odirect and all(_is_aligned(b) for b in bufs) and all(len(b) % ALIGN == 0 for b in bufs[:-1])
-    fd = -1
+    opened = None
     if direct:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_DIRECT)
+            opened = open_regular(path, os.O_DIRECT)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
             direct = False
-    if not direct:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd, st = opened or open_regular(path)
     start = meta.data_offset
     bounce = _bounce(start + ALIGN)
     head = bounce[:start]
@@ -264,7 +280,7 @@ def read_payload(path: str, meta: ChunkMeta, bufs: Sequence[memoryview], odirect
     payload = [b[:n] for b, n in zip(bufs, whole, strict=True)]
     tail = bounce[start : meta.file_bytes - sum(whole)]
     try:
-        if os.fstat(fd).st_size != meta.file_bytes:
+        if st.st_size != meta.file_bytes:
             raise CorruptChunk("file size changed since the scan")
         _transfer_exact(os.preadv, fd, [head, *payload, tail] if direct else [head], 0)
         disk_meta, fields, digest = decode_header(head)

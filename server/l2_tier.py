@@ -14,15 +14,41 @@ import threading
 from abc import ABC, abstractmethod
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvtier.server import l2_format as fmt
-from kvtier.server.l2_format import ChunkMeta, CorruptChunk, unlink_quiet
+from kvtier.server.keys import KEY_BYTES
+from kvtier.server.l2_format import ChunkMeta, CorruptChunk
 
 log = logging.getLogger("kvtier.server.l2")
 
 SCAN_PROGRESS_EVERY = 10_000
 SCAN_LOG_CORRUPT = 10  # corrupt files named one by one in a scan's log; the rest are counted by reason
 SYNC_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """What a clear did: the chunks and file bytes it removed, and `failed`, the files it could not remove
+    (a directory in a chunk file's place). The index forgot those too, and a start-up scan never indexes
+    what is not a regular file, so none of them is served again."""
+
+    entries: int
+    nbytes: int
+    failed: int = 0
+
+
+def _unlink(path: str) -> bool:
+    """Remove a file of the tier (already gone counts as removed); False, logged, when what is there cannot
+    be unlinked (a directory in its place, a read-only filesystem)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("L2: cannot remove %s (%s)", path, exc.strerror or exc)
+        return False
+    return True
 
 
 class TierAdapter(ABC):
@@ -38,8 +64,9 @@ class TierAdapter(ABC):
         return b"".join(sources)
 
     @abstractmethod
-    def put(self, meta: ChunkMeta, payload) -> bool:
-        """Store a chunk (False when it exists or cannot fit). May evict older chunks."""
+    def put(self, meta: ChunkMeta, payload, keep: Callable[[], bool] | None = None) -> bool:
+        """Store a chunk (False when it exists or cannot fit). May evict older chunks. `keep`, when given, is
+        asked once the chunk is stored and before any lookup can find it: False drops it again."""
 
     @abstractmethod
     def get(self, meta: ChunkMeta, bufs: Sequence[memoryview]) -> bool:
@@ -56,8 +83,9 @@ class TierAdapter(ABC):
     def remove(self, key: bytes, reason: str = "removed") -> bool: ...
 
     @abstractmethod
-    def clear(self, ns: bytes | None = None) -> tuple[int, int]:
-        """Remove every chunk, or those of namespace fingerprint `ns`; returns (chunks, bytes) removed."""
+    def clear(self, ns: bytes | None = None) -> Cleared:
+        """Remove every chunk, or those of namespace fingerprint `ns`, going on past what cannot be removed;
+        none of them is found again, removed or not."""
 
     @abstractmethod
     def scan(self) -> int:
@@ -65,6 +93,10 @@ class TierAdapter(ABC):
 
     def sync(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Make completed puts durable (no-op where puts are durable already)."""
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, why not): whether the tier can take writes now. Default: always."""
+        return True, ""
 
     @property
     @abstractmethod
@@ -151,7 +183,7 @@ class FsTier(TierAdapter):
             return False
         key = next(iter(self._index))
         self._index_drop(key)
-        unlink_quiet(self._file(key))
+        _unlink(self._file(key))
         self.evicted += 1
         self._on_evict(reason)
         return True
@@ -161,8 +193,10 @@ class FsTier(TierAdapter):
     def prepare(self, meta: ChunkMeta, sources: Sequence) -> fmt.Encoded:
         return fmt.encode(meta, sources, self.odirect_active)
 
-    def put(self, meta: ChunkMeta, payload) -> bool:
-        """Write a chunk (its bytes, or `prepare`'s result) unless it exists or exceeds the budget."""
+    def put(self, meta: ChunkMeta, payload, keep: Callable[[], bool] | None = None) -> bool:
+        """Write a chunk (its bytes, or `prepare`'s result) unless it exists or exceeds the budget. `keep` is
+        asked under the index lock once the file is written: False (a cache clear came meanwhile) removes
+        the file before it was ever indexed."""
         need = meta.file_bytes
         with self._lock:
             if meta.key in self._index:
@@ -185,9 +219,17 @@ class FsTier(TierAdapter):
             log.exception("L2 write of %s failed", meta.key.hex())
             return False
         with self._lock:
-            self._writing.discard(meta.key)
-            self._index_add(meta)
-            self._unsynced += 1
+            kept = keep is None or keep()
+            if kept:
+                self._writing.discard(meta.key)
+                self._index_add(meta)
+                self._unsynced += 1
+        if not kept:
+            _unlink(self._file(meta.key))
+            with self._lock:
+                self._used -= need
+                self._writing.discard(meta.key)
+            return False
         if self._unsynced >= SYNC_BATCH:
             self.sync()
         return True
@@ -234,7 +276,7 @@ class FsTier(TierAdapter):
     def _drop_corrupt(self, key: bytes) -> None:
         with self._lock:
             self._index_drop(key)
-        unlink_quiet(self._file(key))
+        _unlink(self._file(key))
         self.corrupt += 1
         self._on_corrupt()
 
@@ -243,17 +285,32 @@ class FsTier(TierAdapter):
             meta = self._index_drop(key)
         if meta is None:
             return False
-        unlink_quiet(self._file(key))
+        _unlink(self._file(key))
         self._on_evict(reason)
         return True
 
-    def clear(self, ns: bytes | None = None) -> tuple[int, int]:
+    def clear(self, ns: bytes | None = None) -> Cleared:
         with self._lock:
             gone = [self._index_drop(key) for key, m in list(self._index.items()) if ns is None or m.ns == ns]
-        for meta in gone:
-            unlink_quiet(self._file(meta.key))
+        removed = [meta for meta in gone if _unlink(self._file(meta.key))]
+        for _ in gone:
             self._on_evict("clear")
-        return len(gone), sum(m.file_bytes for m in gone)
+        failed = len(gone) - len(removed)
+        if failed:
+            log.warning("L2 clear of %s: %d of %d files could not be removed (forgotten: never served)",
+                        self.path, failed, len(gone))
+        return Cleared(len(removed), sum(m.file_bytes for m in removed), failed)
+
+    def health(self) -> tuple[bool, str]:
+        """Whether a file can be created in the directory now: a probe under a temp name (removed again; a
+        start-up scan removes one a crash left), so a missing, replaced or read-only directory shows."""
+        probe = os.path.join(self.path, fmt.temp_name(bytes(KEY_BYTES)))
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600))
+            os.unlink(probe)
+        except OSError as exc:
+            return False, f"L2 directory {self.path} is not writable: {exc.strerror or exc}"
+        return True, ""
 
     # -- start-up scan ---------------------------------------------------------------------------
 
@@ -279,7 +336,7 @@ class FsTier(TierAdapter):
                 except OSError:
                     continue
                 if fmt.TEMP_RE.match(name):
-                    unlink_quiet(dent.path)
+                    _unlink(dent.path)
                     self.temp_removed += 1
                     continue
                 if not fmt.NAME_RE.match(name):
@@ -292,7 +349,7 @@ class FsTier(TierAdapter):
                         log.warning("L2 file %s is corrupt (%s): removed", name, exc)
                     # the reason without the file's name or sizes, so that the summary groups files
                     reasons[str(exc) if isinstance(exc, CorruptChunk) else exc.strerror or type(exc).__name__] += 1
-                    unlink_quiet(dent.path)
+                    _unlink(dent.path)
                     self.corrupt += 1
                     self._on_corrupt()
                     continue

@@ -66,6 +66,11 @@ class L2Writer:
         return self._queue.qsize()
 
     @property
+    def alive(self) -> bool:
+        """False when a worker thread died (not when stopped, or never started)."""
+        return self._stopping or all(t.is_alive() for t in self._threads)
+
+    @property
     def inflight(self) -> int:
         """Jobs queued or being written (0 means every accepted write has finished and been synced)."""
         return self._pending
@@ -78,7 +83,7 @@ class L2Writer:
 
     def invalidate(self, ns: bytes | None = None) -> None:
         """Cache clear: jobs already accepted (all, or those of namespace fingerprint `ns`) are not written,
-        or removed again if being written now."""
+        and one being written now is removed before it is indexed (no lookup can find it)."""
         if ns is None:
             self.epoch += 1
         else:
@@ -204,12 +209,10 @@ class L2Writer:
                 self.failed += 1
             elif prepared is _STALE:
                 self.stale += 1
-            elif self.tier.put(job.meta, prepared):
-                if job.epoch != self._epochs(job):  # cleared while it was being written
-                    self.tier.remove(job.meta.key, "clear")
-                    self.stale += 1
-                else:
-                    self.done += 1
+            elif self.tier.put(job.meta, prepared, lambda: job.epoch == self._epochs(job)):
+                self.done += 1
+            elif job.epoch != self._epochs(job):  # cleared while it was being written: never indexed
+                self.stale += 1
         except Exception:
             self.failed += 1
             log.exception("L2 write of %s failed", job.meta.key.hex())

@@ -34,11 +34,18 @@ class Metrics:
         self.retrieves = Counter("kvtier_retrieves", "Chunks acquired for reading", registry=r)
         self.retrieve_bytes = Counter("kvtier_retrieve_bytes", "Bytes of chunks acquired for reading", registry=r)
         self.evictions = Counter("kvtier_evictions", "Chunks evicted, by tier and reason", ["tier", "reason"], registry=r)
-        self.leases_expired = Counter("kvtier_leases_expired", "Read leases reclaimed by TTL or client loss", registry=r)
+        self.leases_expired = Counter("kvtier_leases_expired", "Read leases lapsed by TTL or client loss (reads reported lost)", registry=r)
         self.reservations_expired = Counter(
-            "kvtier_reservations_expired", "Write reservations reclaimed by TTL or client loss", registry=r
+            "kvtier_reservations_expired", "Write reservations lapsed by TTL or client loss (never committed)", registry=r
         )
-        self.clients_lost = Counter("kvtier_clients_lost", "Clients dropped after missing heartbeats", registry=r)
+        self.clients_lost = Counter(
+            "kvtier_clients_lost", "Clients unregistered: silent past the client timeout, or their lock file dead",
+            registry=r,
+        )
+        self.held_back_bytes = Gauge(
+            "kvtier_held_back_bytes", "L1 bytes of lapsed reservations and leases, kept from reuse until their "
+            "client settles them or is known dead", registry=r,
+        )
         self.l1_capacity = Gauge("kvtier_l1_capacity_bytes", "L1 pool capacity", registry=r)
         self.l1_used = Gauge("kvtier_l1_used_bytes", "L1 bytes in use (committed, reserved and doomed pages)", registry=r)
         self.entries = Gauge("kvtier_entries", "Chunks stored, by tier", ["tier"], registry=r)

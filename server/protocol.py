@@ -15,8 +15,16 @@ import msgpack
 from kvtier.server.keys import KEY_BYTES
 
 PROTOCOL_VERSION = 2
-MAX_FRAME_BYTES = 64 * 1024 * 1024
-MAX_ITEMS = 65536
+# Bounds on what one frame may make the server build, checked while msgpack decodes (docs/protocol.md):
+# the largest frame of the worst shape costs the serving loop a small fraction of a client timeout.
+MAX_FRAME_BYTES = 4 * 1024 * 1024  # a lookup of a 3.6M-token prompt at 16-token blocks
+MAX_ITEMS = 65536  # items of any list (chunks of a lookup, keys, ids)
+MAX_STORE_ITEMS = 8192  # items of one reserve: 2M tokens of 256-token chunks (each item costs ~10 us)
+MAX_MAP_FIELDS = 32  # fields of any map (a request, a namespace)
+MAX_STR_BYTES = 1024  # any string (instance names, tokens, namespace fields)
+MAX_BIN_BYTES = 64  # any byte string (keys and fingerprints are 16)
+MAX_BLOCKS = 4096  # engine blocks of one chunk
+MIN_BLOCK_BYTES = 1024  # L1 bytes a chunk's pages must hold per block: ties index size to L1 size
 
 OPS = ("hello", "register", "lookup", "reserve", "commit", "abort", "acquire", "release", "heartbeat", "stats", "bye")
 
@@ -51,16 +59,30 @@ def pack(message: dict[str, Any]) -> bytes:
     return msgpack.packb(message, use_bin_type=True)
 
 
+_REQUEST_LIMITS = {"max_str_len": MAX_STR_BYTES, "max_bin_len": MAX_BIN_BYTES, "max_array_len": MAX_ITEMS,
+                   "max_map_len": MAX_MAP_FIELDS, "max_ext_len": 0}
+
+
 def unpack(frame: bytes) -> dict[str, Any]:
-    """Decode one frame into a map, or raise ProtocolError(BAD_REQUEST)."""
+    """Decode one request frame into a map, or raise ProtocolError(BAD_REQUEST). The size limits apply
+    while msgpack decodes, before any oversized object is built."""
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(BAD_REQUEST, f"frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+    return _decode(frame, "request", _REQUEST_LIMITS)
+
+
+def unpack_reply(frame: bytes) -> dict[str, Any]:
+    """Decode a reply from the server (a client trusts its server's sizes, never its page numbers)."""
+    return _decode(frame, "reply", {})
+
+
+def _decode(frame: bytes, what: str, limits: dict[str, int]) -> dict[str, Any]:
     try:
-        message = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for corrupt input
-        raise ProtocolError(BAD_REQUEST, f"undecodable msgpack: {type(exc).__name__}") from None
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=True, **limits)
+    except Exception as exc:  # msgpack raises several unrelated types for corrupt or oversized input
+        raise ProtocolError(BAD_REQUEST, f"undecodable or oversized msgpack: {type(exc).__name__}") from None
     if not isinstance(message, dict):
-        raise ProtocolError(BAD_REQUEST, "a request must be a msgpack map")
+        raise ProtocolError(BAD_REQUEST, f"a {what} must be a msgpack map")
     return message
 
 
@@ -103,35 +125,30 @@ def key_field(value: Any, what: str = "key") -> bytes:
 
 def key_lists_field(message: dict[str, Any], name: str, max_keys: int = 4096) -> list[list[bytes]]:
     """A list of non-empty lists (at most `max_keys` each) of keys, checked in whole-list passes: a lookup
-    carries hundreds of keys and per-key calls would cost more than the lookup itself. `join` rejects any
-    non-bytes key; the total length catches wrong-sized ones (a wrong-sized key could never match anyway:
-    every stored key is exactly KEY_BYTES)."""
+    carries hundreds of keys and per-key calls would cost more than the lookup itself: one C-level pass,
+    `bytes.__len__` over every key, checks both type and length."""
     lists = list_field(message, name)
     if not lists:
         return lists
-    lengths = set(map(len, lists)) if set(map(type, lists)) == {list} else {0}
+    try:
+        lengths = set(map(list.__len__, lists))  # TypeError for anything but lists
+    except TypeError:
+        lengths = {0}
     if min(lengths) < 1 or max(lengths) > max_keys:
         raise ProtocolError(BAD_REQUEST, f"each item of {name!r} is a list of 1 to {max_keys} keys")
     try:
-        joined = b"".join(chain.from_iterable(lists))
+        sizes = set(map(bytes.__len__, chain.from_iterable(lists)))  # TypeError for anything but bytes
     except TypeError:
-        joined = b""
-    if len(joined) != KEY_BYTES * sum(map(len, lists)):
+        sizes = set()
+    if sizes != {KEY_BYTES}:
         raise ProtocolError(BAD_REQUEST, f"every key in {name!r} must be {KEY_BYTES} bytes")
     return lists
 
 
-def list_field(message: dict[str, Any], name: str) -> list[Any]:
+def list_field(message: dict[str, Any], name: str, max_items: int = MAX_ITEMS) -> list[Any]:
     value = field(message, name, list)
-    if len(value) > MAX_ITEMS:
-        raise ProtocolError(BAD_REQUEST, f"field {name!r} has more than {MAX_ITEMS} items")
-    return value
-
-
-def int_field(message: dict[str, Any], name: str, lo: int, hi: int, default: Any = ...) -> int:
-    value = field(message, name, int, default)
-    if not lo <= value <= hi:
-        raise ProtocolError(BAD_REQUEST, f"field {name!r} must be in [{lo}, {hi}]")
+    if len(value) > max_items:
+        raise ProtocolError(BAD_REQUEST, f"field {name!r} has more than {max_items} items")
     return value
 
 
@@ -149,13 +166,28 @@ class StoreItem:
 
     @classmethod
     def from_wire(cls, value: Any) -> StoreItem:
+        """A checked item: the aliases (one per leading block, at most blocks - 1) are distinct and none is
+        the item's own key (which would leave an index entry behind when the chunk goes)."""
         if not isinstance(value, list) or len(value) != 4:
             raise ProtocolError(BAD_REQUEST, "a store item is [key, size, blocks, aliases]")
         key, size, blocks, aliases = value
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ProtocolError(BAD_REQUEST, "store item size must be a positive integer")
-        if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= 4096:
-            raise ProtocolError(BAD_REQUEST, "store item blocks must be in [1, 4096]")
+        if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= MAX_BLOCKS:
+            raise ProtocolError(BAD_REQUEST, f"store item blocks must be in [1, {MAX_BLOCKS}]")
         if not isinstance(aliases, list) or len(aliases) >= blocks:
             raise ProtocolError(BAD_REQUEST, "store item aliases must be a list shorter than blocks")
-        return cls(key_field(key), size, blocks, tuple(key_field(a, "alias") for a in aliases))
+        item = cls(key_field(key), size, blocks, tuple(key_field(a, "alias") for a in aliases))
+        if len(set(item.aliases) | {item.key}) != len(item.aliases) + 1:
+            raise ProtocolError(BAD_REQUEST, "store item aliases must be distinct and differ from its key")
+        return item
+
+    def check_fits(self, blocks_per_chunk: int, page_bytes: int, min_block_bytes: int) -> None:
+        """BAD_REQUEST unless the item fits its namespace's chunks and its `page_bytes` of L1 pages hold
+        `min_block_bytes` per block (one block always fits): every index key costs L1 bytes."""
+        if self.blocks > blocks_per_chunk:
+            raise ProtocolError(BAD_REQUEST, f"store item of {self.blocks} blocks is longer than the "
+                                f"namespace's {blocks_per_chunk}-block chunks")
+        if self.blocks > max(1, page_bytes // min_block_bytes):
+            raise ProtocolError(BAD_REQUEST, f"store item of {self.size} bytes claims {self.blocks} blocks: at "
+                                f"most one per {min_block_bytes} bytes of its L1 pages")

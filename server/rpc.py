@@ -6,8 +6,6 @@ never raised into the serving loop.
 
 from __future__ import annotations
 
-import dataclasses
-import hmac
 import logging
 import time
 import uuid
@@ -17,6 +15,7 @@ from typing import Any
 from kvtier.server import protocol as p
 from kvtier.server.chunk_store import L1, ChunkStore, ClientState
 from kvtier.server.keys import Namespace
+from kvtier.server.tokens import token_matches
 
 log = logging.getLogger("kvtier.server")
 
@@ -30,7 +29,7 @@ class RequestHandler:
         self, store: ChunkStore, segment: dict[str, Any], chunk_size: int, heartbeat_s: float, token: str = ""
     ) -> None:
         self.store = store
-        self.token = token.encode()
+        self.token = token.encode()  # UTF-8, as the admin API compares it (server/tokens.py)
         self.server_id = uuid.uuid4().hex
         self.segment = segment
         self.chunk_size = chunk_size
@@ -98,14 +97,16 @@ class RequestHandler:
     # -- ops -------------------------------------------------------------------------------------
 
     def _hello(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        """Register the socket; a hello that fails leaves it unregistered, whatever it was before."""
+        self.store.retire(ident)
         version = p.field(m, "version", int)
         if version != p.PROTOCOL_VERSION:
             raise p.ProtocolError(p.VERSION_MISMATCH, f"server speaks protocol {p.PROTOCOL_VERSION}, client {version}")
-        if self.token and not hmac.compare_digest(p.field(m, "token", str, "").encode(), self.token):
+        if self.token and not token_matches(p.field(m, "token", str, "").encode(), self.token):
             raise p.ProtocolError(p.UNAUTHORIZED, "missing or wrong token")
         instance = p.field(m, "instance", str, "")[:200]
         pid = p.field(m, "pid", int, 0)
-        self.store.hello(ident, instance, pid)
+        self.store.hello(ident, instance, pid, p.field(m, "lock", str, ""))
         log.debug("client %s (pid %s) connected", instance, pid)
         return p.ok(
             p.request_id(m),
@@ -118,13 +119,12 @@ class RequestHandler:
         )
 
     def _register(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        self.store.client(ident)
+        owner = self.store.client(ident)
         try:
             namespace = Namespace.from_dict(p.field(m, "namespace", dict))
-            _check_namespace_types(namespace)
         except (TypeError, ValueError) as exc:
             raise p.ProtocolError(p.BAD_REQUEST, f"bad namespace: {exc}"[:300]) from None
-        return p.ok(p.request_id(m), ns=self.store.register(namespace))
+        return p.ok(p.request_id(m), ns=self.store.register(namespace, owner))
 
     def _ns(self, m: dict[str, Any]) -> bytes:
         return p.key_field(p.field(m, "ns", bytes), "ns")
@@ -143,13 +143,13 @@ class RequestHandler:
             reply["bw"] = self.lower_tier.bandwidths()
         if p.field(m, "acquire", bool, False) and hits:
             keys = [chunks[i][match - 1] for i, (_, match) in enumerate(hits)]
-            return self._leased(ident, owner, keys, reply)
+            return self._leased(ident, owner, fp, keys, reply)
         return reply
 
     def _reserve(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         owner = self.store.client(ident)
         fp = self._ns(m)
-        items = [p.StoreItem.from_wire(v) for v in p.list_field(m, "items")]
+        items = [p.StoreItem.from_wire(v) for v in p.list_field(m, "items", p.MAX_STORE_ITEMS)]
         return p.ok(p.request_id(m), results=self.store.reserve(owner, fp, items))
 
     def _ids(self, m: dict[str, Any], name: str) -> list[int]:
@@ -158,64 +158,59 @@ class RequestHandler:
             raise p.ProtocolError(p.BAD_REQUEST, f"{name} must be a list of integers")
         return ids
 
+    # commit, abort and release settle what the socket holds back even when it is no longer registered
+    # (a client stopped past its timeout), then answer not_registered: that client must say hello again.
+
     def _commit(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        owner = self.store.client(ident)
-        return p.ok(p.request_id(m), committed=self.store.commit(owner, self._ids(m, "res")))
+        committed = self.store.commit(self.store.caller(ident), self._ids(m, "res"))
+        self.store.client(ident)
+        return p.ok(p.request_id(m), committed=committed)
 
     def _abort(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        owner = self.store.client(ident)
-        return p.ok(p.request_id(m), aborted=self.store.abort(owner, self._ids(m, "res")))
+        aborted = self.store.abort(self.store.caller(ident), self._ids(m, "res"))
+        self.store.client(ident)
+        return p.ok(p.request_id(m), aborted=aborted)
 
     def _acquire(self, ident: bytes, m: dict[str, Any]) -> Reply:
         owner = self.store.client(ident)
+        fp = self._ns(m)
         keys = [p.key_field(k) for k in p.list_field(m, "keys")]
-        return self._leased(ident, owner, keys, p.ok(p.request_id(m)))
+        return self._leased(ident, owner, fp, keys, p.ok(p.request_id(m)))
 
-    def _leased(self, ident: bytes, owner: ClientState, keys: list[bytes], reply: dict[str, Any]) -> Reply:
+    def _leased(self, ident: bytes, owner: ClientState, fp: bytes, keys: list[bytes], reply: dict[str, Any]
+                ) -> Reply:
         """`reply` with a lease on `keys`; an awaitable of it while any of them is still being promoted from
         a lower tier (a promotion that fails leaves a miss, `None`, for its key)."""
         pending = self.lower_tier.promotions(keys) if self.lower_tier is not None else None
         if pending is not None:
-            return self._leased_later(ident, keys, reply, pending)
-        lid, items = self.store.acquire(owner, keys)
+            return self._leased_later(ident, fp, keys, reply, pending)
+        lid, items = self.store.acquire(owner, fp, keys)
         reply["lease"] = lid
         reply["items"] = [item.to_wire() if item else None for item in items]
         return reply
 
-    async def _leased_later(self, ident: bytes, keys: list[bytes], reply: dict[str, Any],
+    async def _leased_later(self, ident: bytes, fp: bytes, keys: list[bytes], reply: dict[str, Any],
                             pending: Awaitable[Any]) -> dict[str, Any]:
         await pending
         owner = self.store.client(ident)  # not_registered if the client was dropped meanwhile
-        leased = self._leased(ident, owner, keys, reply)
+        leased = self._leased(ident, owner, fp, keys, reply)
         return leased if isinstance(leased, dict) else await leased
 
     def _release(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        owner = self.store.client(ident)
-        leases = self._ids(m, "leases")
-        return p.ok(p.request_id(m), released=sum(self.store.release(owner, lid) for lid in leases))
+        owner = self.store.caller(ident)
+        released = sum(self.store.release(owner, lid) for lid in self._ids(m, "leases"))
+        self.store.client(ident)
+        return p.ok(p.request_id(m), released=released)
 
     def _heartbeat(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         self.store.client(ident)
         return p.ok(p.request_id(m), server_id=self.server_id)
 
     def _stats(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        self.store.client(ident)
         extra = self.lower_tier.stats() if self.lower_tier is not None else {}
         return p.ok(p.request_id(m), server_id=self.server_id, **self.store.stats(), **extra)
 
     def _bye(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         self.store.drop_client(ident)
         return p.ok(p.request_id(m))
-
-
-_FIELD_TYPES = {"str": str, "int": int}
-
-
-def _check_namespace_types(namespace: Namespace) -> None:
-    """Every namespace field has its declared scalar type (a nested map would break the fingerprint)."""
-    for f in dataclasses.fields(namespace):
-        kind = _FIELD_TYPES.get(str(f.type))
-        if kind is None:
-            continue
-        value = getattr(namespace, f.name)
-        if not isinstance(value, kind) or isinstance(value, bool):
-            raise ValueError(f"namespace field {f.name!r} must be {kind.__name__}")

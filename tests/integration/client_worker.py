@@ -80,6 +80,58 @@ def hold_and_wait(url: str, ns: dict, seed: int, n_chunks: int, reserve_seed: in
     time.sleep(120)
 
 
+def chunk_bytes_of(seed: int, index: int, size: int) -> np.ndarray:
+    """The bytes a test stores for chunk `index` of prompt `seed`: distinct for every chunk."""
+    block = hashlib.blake2b(f"{seed}/{index}".encode()).digest()
+    return np.frombuffer((block * (size // len(block) + 1))[:size], dtype=np.uint8)
+
+
+def slow_store(url: str, ns: dict, seed: int, n_chunks: int, chunk_bytes: int, delay_s: float) -> dict:
+    """Reserve every chunk of prompt `seed`, announce it, stall `delay_s` inside the first copy (a slow,
+    swapped or stopped engine), then write this writer's bytes and commit."""
+    namespace = Namespace(**ns)
+    tokens = prompt(seed, n_chunks * namespace.chunk_size)
+    stalled = False
+
+    def write(chunk, span) -> None:
+        nonlocal stalled
+        if not stalled:
+            stalled = True
+            print(json.dumps({"reserved": True}), flush=True)
+            time.sleep(delay_s)
+        span.write(0, chunk_bytes_of(seed, chunk.index, chunk_bytes))
+
+    c = client(url)
+    result = c.store(namespace, tokens, lambda _c: chunk_bytes, write)
+    c.close()
+    return {"stored": result.stored, "refused": result.refused}
+
+
+def slow_read(url: str, ns: dict, seed: int, n_chunks: int, delay_s: float) -> dict:
+    """Retrieve prompt `seed`, stalling `delay_s` inside the first copy; report the tokens the client said
+    it read and which chunks' bytes were not the ones stored (chunk_bytes_of)."""
+    namespace = Namespace(**ns)
+    tokens = prompt(seed, n_chunks * namespace.chunk_size)
+    stalled = False
+    wrong: list[int] = []
+
+    def read(rc: ReadChunk) -> None:
+        nonlocal stalled
+        if not stalled:
+            stalled = True
+            print(json.dumps({"leased": True}), flush=True)
+            time.sleep(delay_s)
+        buf = np.empty(rc.span.size, dtype=np.uint8)
+        rc.span.read(0, buf)
+        if not np.array_equal(buf, chunk_bytes_of(seed, rc.chunk.index, rc.span.size)):
+            wrong.append(rc.chunk.index)
+
+    c = client(url)
+    retrieved = c.retrieve(namespace, tokens, read)
+    c.close()
+    return {"retrieved_tokens": retrieved, "wrong_chunks": wrong}
+
+
 if __name__ == "__main__":
     fn, kwargs = sys.argv[1], json.loads(sys.argv[2])
     out = globals()[fn](**kwargs)

@@ -48,9 +48,10 @@ def kvtier_server(tmp_path):
     yield start
     for srv in servers:
         srv.kill()
-    for srv in servers:  # a SIGKILLed server leaves its segment behind
-        with contextlib.suppress(FileNotFoundError):
-            srv.shm_path.unlink()
+    for srv in servers:  # a SIGKILLed server leaves its segment behind, and killed clients their lock files
+        for path in [srv.shm_path, *srv.shm_path.parent.glob(f"{srv.shm_name}.client-*")]:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
 
 @pytest.fixture

@@ -168,6 +168,22 @@ def test_zmq_port_needs_the_token_when_one_is_set(srv):
         srv.client(token="wrong")
 
 
+def test_a_non_ascii_token_works_on_both_ports(tmp_path):
+    """One comparison, one encoding: the token's UTF-8 bytes, on the HTTP header and in the hello."""
+    token = "clé-секрет-鍵"
+    s = Server(tmp_path, env=clean_env(KVTIER_ADMIN_TOKEN=token))
+    try:
+        good = {"Authorization": b"Bearer " + token.encode()}
+        assert s.http.post("/cache/clear", json={"scope": "all"}, headers=good).status_code == 200
+        latin1 = {"Authorization": b"Bearer " + token.encode("utf-8").decode("latin-1").encode("utf-8")}
+        assert s.http.post("/cache/clear", json={"scope": "all"}, headers=latin1).status_code == 403
+        s.client(token=token).close()
+        with pytest.raises(Exception, match="unauthorized"):
+            s.client(token=token[:-1])
+    finally:
+        s.stop()
+
+
 # -- check 1: routes ---------------------------------------------------------------------------------
 
 

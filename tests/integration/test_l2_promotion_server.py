@@ -128,7 +128,7 @@ def test_corrupt_file_found_at_promotion_is_a_counted_miss(kvtier_server, tmp_pa
     srv = kvtier_server(l1_gb=0.0625, extra=["--page-size-kb", "4", "--l2-path", str(l2), "--l2-size-gb", "1"])
     prompts = [prompt(40 + i, 2 * NS.chunk_size) for i in range(2)]
     c = client(srv.url)
-    store_all(c, prompts, 8192)
+    store_all(c, prompts, 16384)
     c.close()
     victim = chunk_keys(NS, prompts[0])[0].key
     path = l2 / f"{victim.hex()}.kv"
@@ -226,8 +226,8 @@ def test_cache_clear_reaches_l2_by_scope(kvtier_server, tmp_path):
     ns_b = dataclasses.replace(NS, model="org/tiny-l2-other")
     p_a, p_b = prompt(70, 2 * NS.chunk_size), prompt(71, 2 * NS.chunk_size)
     c = client(srv.url)
-    store_all(c, [p_a], 8192)
-    assert c.store(ns_b, p_b, lambda _c: 8192, lambda ch, span: span.write(0, payload_of(ch.key, 8192))).stored == 2
+    store_all(c, [p_a], 16384)
+    assert c.store(ns_b, p_b, lambda _c: 16384, lambda ch, span: span.write(0, payload_of(ch.key, 16384))).stored == 2
     wait_for(lambda: c.stats()["l2_written"] >= 4 and c.stats()["l2_inflight"] == 0, timeout=60, what="L2 writes")
 
     code, r = post(http, "/cache/clear", {"scope": "tier", "tier": "l1"})
@@ -239,7 +239,7 @@ def test_cache_clear_reaches_l2_by_scope(kvtier_server, tmp_path):
     assert code == 200 and r["tiers"]["l2"]["entries"] == 4 and "l1" not in r["tiers"], r
     assert [h.tier for h in c.lookup(NS, p_a).hits] == ["l1", "l1"]  # promoted before the clear: L1 keeps it
     assert sorted(os.listdir(l2)) == [] and c.stats()["l2_entries"] == 0
-    c.store(ns_b, p_b, lambda _c: 8192, lambda ch, span: span.write(0, payload_of(ch.key, 8192)))
+    c.store(ns_b, p_b, lambda _c: 16384, lambda ch, span: span.write(0, payload_of(ch.key, 16384)))
     wait_for(lambda: c.stats()["l2_entries"] == 2 and c.stats()["l2_inflight"] == 0, timeout=60, what="L2 writes")
     c.close()
 
@@ -252,7 +252,7 @@ def test_cache_clear_reaches_l2_by_scope(kvtier_server, tmp_path):
     assert code == 404, r  # nothing left of it anywhere
     c = client(srv.url)
     assert c.lookup(ns_b, p_b).hits == []
-    store_all(c, [p_a], 8192)
+    store_all(c, [p_a], 16384)
     code, r = post(http, "/cache/clear", {"scope": "all"})
     assert code == 200 and r["tiers"]["l1"]["entries"] >= 2 and r["tiers"]["l2"]["entries"] >= 2, r
     assert c.lookup(NS, p_a).hits == [] and os.listdir(l2) == []

@@ -86,11 +86,17 @@ def test_server_survives_malformed_frames(kvtier_server):
         rng = random.Random(20240601)
         unexpected = []
         for i in range(N_FRAMES):
-            sock.send_multipart(garbage(rng, fp))
+            frames = garbage(rng, fp)
+            sock.send_multipart(frames)
             assert sock.poll(5000), f"no reply to malformed frame {i}"
             reply = msgpack.unpackb(sock.recv(), raw=False)
             if reply.get("ok") is not False or reply.get("code") not in MALFORMED_CODES:
                 unexpected.append(reply)
+            if frames[0] == pack({"op": "hello", "version": "one"}):  # a failed hello unregisters the socket
+                sock.send(pack({"op": "stats", "id": 2}))
+                assert sock.poll(5000) and msgpack.unpackb(sock.recv())["code"] == p.NOT_REGISTERED
+                sock.send(pack({"op": "hello", "id": 1, "version": p.PROTOCOL_VERSION}))
+                assert sock.poll(5000) and msgpack.unpackb(sock.recv())["ok"]
         assert not unexpected, unexpected[:5]
         assert srv.proc.poll() is None
         assert good.stats()["malformed"] - start == N_FRAMES

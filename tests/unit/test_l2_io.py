@@ -16,7 +16,7 @@ import pytest
 from kvtier.server import l2_format as fmt
 from kvtier.server.keys import digest
 from kvtier.server.l2_format import ALIGN, ChunkMeta, CorruptChunk
-from kvtier.server.l2_tier import FsTier
+from kvtier.server.l2_tier import Cleared, FsTier
 from kvtier.server.l2_writer import L2Writer, WriteJob
 
 pytestmark = pytest.mark.unit
@@ -272,10 +272,10 @@ def test_clear_by_namespace_removes_only_its_files_and_leaves_foreign_ones(tmp_p
         assert tier.put(m, payload(1, 3000))
     assert tier.put(other, payload(2, 5000))
     (tmp_path / "notes.txt").write_text("operator's")
-    assert tier.clear(digest(b"ns")) == (3, 3 * mine[0].file_bytes)
+    assert tier.clear(digest(b"ns")) == Cleared(3, 3 * mine[0].file_bytes)
     assert tier.entries == 1 and tier.used_bytes == other.file_bytes and tier.contains(other.key)
     assert sorted(os.listdir(tmp_path)) == sorted([fmt.file_name(other.key), "notes.txt"])
-    assert tier.clear() == (1, other.file_bytes) and os.listdir(tmp_path) == ["notes.txt"]
+    assert tier.clear() == Cleared(1, other.file_bytes) and os.listdir(tmp_path) == ["notes.txt"]
 
 
 def test_invalidate_drops_jobs_accepted_before_it(tmp_path):

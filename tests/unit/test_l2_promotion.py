@@ -28,6 +28,7 @@ pytestmark = pytest.mark.unit
 NS = Namespace(model="m", dtype="bf16", num_layers=2, kv_heads=2, head_size=8, block_size=64,
                layout="NHD", chunk_size=256)
 PAGE = 1024
+MIN_BLOCK_BYTES = 256  # a test page stands for a 64 KiB one: at most 4 blocks per page
 SIZE = 2500  # three pages per chunk
 IDENT = b"client-1"
 
@@ -53,7 +54,8 @@ def payload(i: int) -> bytes:
 class Rig:
     def __init__(self, tmp_path, n_chunks: int = 3, num_pages: int = 64, max_promoting_bytes: int | None = None):
         self.metrics = Metrics()
-        self.store = ChunkStore(PagePool(num_pages, PAGE), make_policy("lru"), self.metrics)
+        self.store = ChunkStore(PagePool(num_pages, PAGE), make_policy("lru"), self.metrics,
+                                min_block_bytes=MIN_BLOCK_BYTES)
         self.segment = np.zeros(num_pages * PAGE, dtype=np.uint8)
         self.tier = GatedTier(str(tmp_path), 1 << 30, on_corrupt=lambda: self.l2.m.corrupt.inc())
         self.chunks = chunk_keys(NS, list(range(n_chunks * NS.chunk_size)))

@@ -24,6 +24,7 @@ pytestmark = pytest.mark.unit
 NS = Namespace(model="m", dtype="bf16", num_layers=2, kv_heads=2, head_size=8, block_size=64,
                layout="NHD", chunk_size=256)
 PAGE = 1024
+MIN_BLOCK_BYTES = 256  # a test page stands for a 64 KiB one: at most 4 blocks per page
 
 
 def meta(i: int, size: int = 3000) -> ChunkMeta:
@@ -141,7 +142,7 @@ def test_writer_drops_when_full_and_always_releases(tmp_path):
 
 def make_store(num_pages: int = 64) -> tuple[ChunkStore, np.ndarray, Metrics]:
     metrics = Metrics()
-    store = ChunkStore(PagePool(num_pages, PAGE), make_policy("lru"), metrics)
+    store = ChunkStore(PagePool(num_pages, PAGE), make_policy("lru"), metrics, min_block_bytes=MIN_BLOCK_BYTES)
     return store, np.zeros(num_pages * PAGE, dtype=np.uint8), metrics
 
 
