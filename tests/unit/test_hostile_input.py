@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import time
+import tracemalloc
 
 import msgpack
 import numpy as np
 import pytest
 from kvtier.connector.pages import PageSpan
 from kvtier.server import protocol as p
-from kvtier.server.chunk_store import ChunkStore
+from kvtier.server.chunk_store import ChunkStore, Entry
 from kvtier.server.eviction import make_policy
 from kvtier.server.keys import MAX_NS_STR, Namespace, chunk_keys
 from kvtier.server.l1_pool import PagePool
@@ -181,3 +183,20 @@ def test_pagespan_checks_both_ends_of_every_run(extents):
     segment = np.zeros(64 * 4096, dtype=np.uint8)
     with pytest.raises(ValueError):
         PageSpan(segment, extents, 4096, 2 * 4096)
+
+
+def test_index_cost_per_key_bounds_the_worst_case_per_l1_gib():
+    """Server memory per index key (chunk key or alias), the figure behind docs/protocol.md's worst case:
+    at most one key per MIN_BLOCK_BYTES of L1, so ~160 B a key is ~160 MiB of index per L1 GiB."""
+    store = ChunkStore(PagePool(4096, PAGE), make_policy("lirs"), Metrics())
+    keys_per_chunk = PAGE // p.MIN_BLOCK_BYTES
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(2000):
+        key, aliases = os.urandom(16), tuple(os.urandom(16) for _ in range(keys_per_chunk - 1))
+        store.insert(Entry(key, bytes(16), PAGE, keys_per_chunk, (i, 1), aliases))
+    per_key = (tracemalloc.get_traced_memory()[0] - before) / (2000 * keys_per_chunk)
+    tracemalloc.stop()
+    print(f"index: {per_key:.0f} B per key, {per_key * (1 << 30) / p.MIN_BLOCK_BYTES / (1 << 20):.0f} MiB per L1 GiB "
+          "at worst")
+    assert per_key * (1 << 30) / p.MIN_BLOCK_BYTES < 0.25 * (1 << 30), "the index could outgrow a quarter of L1"
