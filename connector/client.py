@@ -198,7 +198,10 @@ class KVTierClient:
             # the server can tell this process is alive while it copies; then register with it
             if alive is not None:
                 alive.close()
-            self._alive = alive = ClientLock(reply["shm_dir"], reply["shm_name"])
+            try:
+                self._alive = alive = ClientLock(reply["shm_dir"], reply["shm_name"])
+            except OSError as exc:  # e.g. the segment's directory is not this process's: a miss, not a crash
+                raise KVTierUnavailable(f"cannot create a lock file in {reply['shm_dir']}: {exc}") from None
             reply = self._call({**hello, "lock": alive.name}, timeout=self.config.connect_timeout_s)
         segment = Segment.attach(reply["shm_name"], reply["shm_size"], reply["shm_dir"])
         self._segment = segment
