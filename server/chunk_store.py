@@ -577,7 +577,7 @@ class ChunkStore:
         """Known to be gone: its lock file is no longer locked (a client without one is never known dead)."""
         if self.locks is None or not client.lock or self.locks.alive(client.lock):
             return False
-        self.locks.remove_dead(client.lock)
+        self.locks.remove(client.lock)
         return True
 
     def _free_holdings(self, client: ClientState) -> None:

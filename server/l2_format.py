@@ -20,8 +20,8 @@ that makes renames durable is batched by the caller (`fsync_dir`).
 
 from __future__ import annotations
 
-import contextlib
 import errno
+import logging
 import mmap
 import os
 import re
@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 from kvtier.server.keys import KEY_BYTES
+
+log = logging.getLogger("kvtier.server.l2")
 
 MAGIC = b"KVL2"
 VERSION = 3  # 1 had no padding, 2 a BLAKE3 checksum
@@ -353,6 +355,14 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def unlink_quiet(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+def unlink_quiet(path: str) -> bool:
+    """Remove a file (already gone counts as removed); False, logged, never raised, when what is there
+    cannot be unlinked (a directory in its place, a read-only filesystem)."""
+    try:
         os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("L2: cannot remove %s (%s)", path, exc.strerror or exc)
+        return False
+    return True

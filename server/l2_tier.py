@@ -38,19 +38,6 @@ class Cleared:
     failed: int = 0
 
 
-def _unlink(path: str) -> bool:
-    """Remove a file of the tier (already gone counts as removed); False, logged, when what is there cannot
-    be unlinked (a directory in its place, a read-only filesystem)."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("L2: cannot remove %s (%s)", path, exc.strerror or exc)
-        return False
-    return True
-
-
 class TierAdapter(ABC):
     """A chunk store below L1, keyed by chunk key; values are (metadata, payload bytes)."""
 
@@ -183,7 +170,7 @@ class FsTier(TierAdapter):
             return False
         key = next(iter(self._index))
         self._index_drop(key)
-        _unlink(self._file(key))
+        fmt.unlink_quiet(self._file(key))
         self.evicted += 1
         self._on_evict(reason)
         return True
@@ -225,7 +212,7 @@ class FsTier(TierAdapter):
                 self._index_add(meta)
                 self._unsynced += 1
         if not kept:
-            _unlink(self._file(meta.key))
+            fmt.unlink_quiet(self._file(meta.key))
             with self._lock:
                 self._used -= need
                 self._writing.discard(meta.key)
@@ -276,7 +263,7 @@ class FsTier(TierAdapter):
     def _drop_corrupt(self, key: bytes) -> None:
         with self._lock:
             self._index_drop(key)
-        _unlink(self._file(key))
+        fmt.unlink_quiet(self._file(key))
         self.corrupt += 1
         self._on_corrupt()
 
@@ -285,14 +272,14 @@ class FsTier(TierAdapter):
             meta = self._index_drop(key)
         if meta is None:
             return False
-        _unlink(self._file(key))
+        fmt.unlink_quiet(self._file(key))
         self._on_evict(reason)
         return True
 
     def clear(self, ns: bytes | None = None) -> Cleared:
         with self._lock:
             gone = [self._index_drop(key) for key, m in list(self._index.items()) if ns is None or m.ns == ns]
-        removed = [meta for meta in gone if _unlink(self._file(meta.key))]
+        removed = [meta for meta in gone if fmt.unlink_quiet(self._file(meta.key))]
         for _ in gone:
             self._on_evict("clear")
         failed = len(gone) - len(removed)
@@ -336,7 +323,7 @@ class FsTier(TierAdapter):
                 except OSError:
                     continue
                 if fmt.TEMP_RE.match(name):
-                    _unlink(dent.path)
+                    fmt.unlink_quiet(dent.path)
                     self.temp_removed += 1
                     continue
                 if not fmt.NAME_RE.match(name):
@@ -349,7 +336,7 @@ class FsTier(TierAdapter):
                         log.warning("L2 file %s is corrupt (%s): removed", name, exc)
                     # the reason without the file's name or sizes, so that the summary groups files
                     reasons[str(exc) if isinstance(exc, CorruptChunk) else exc.strerror or type(exc).__name__] += 1
-                    _unlink(dent.path)
+                    fmt.unlink_quiet(dent.path)
                     self.corrupt += 1
                     self._on_corrupt()
                     continue

@@ -81,19 +81,18 @@ class LockDirectory:
         finally:
             os.close(fd)
 
-    def remove_dead(self, name: str) -> None:
-        """Remove the lock file of a client known to be gone (killed before it could remove its own)."""
-        if self.valid(name) and not self.alive(name):
+    def remove(self, name: str) -> None:
+        """Remove the lock file of a client found dead (`alive` False: killed before it could remove its
+        own). Its name is never reused, so nobody can have locked it since."""
+        if self.valid(name):
             with contextlib.suppress(OSError):
                 os.unlink(os.path.join(self.directory, name))
 
     def sweep(self) -> int:
-        """Remove every dead client lock file of the segment (at server start); returns how many."""
-        removed = 0
+        """Remove every dead client lock file of the segment (at server start and stop); returns how many."""
+        dead = []
         with contextlib.suppress(OSError), os.scandir(self.directory) as it:
-            for item in it:
-                if self.valid(item.name) and not self.alive(item.name):
-                    with contextlib.suppress(OSError):
-                        os.unlink(item.path)
-                        removed += 1
-        return removed
+            dead = [item.name for item in it if self.valid(item.name) and not self.alive(item.name)]
+        for name in dead:
+            self.remove(name)
+        return len(dead)
