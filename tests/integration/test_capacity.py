@@ -41,11 +41,19 @@ def test_stores_evict_within_budget_then_refuse_when_all_leased(kvtier_server, p
             done.wait(0.005)
         watcher.close()
 
+    def polled_since(count: int) -> None:
+        """Wait until the poller has polled again (its thread competes for the GIL with the stores)."""
+        for _ in range(1000):
+            if peak["polls"] > count:
+                return
+            done.wait(0.005)
+
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     stored = 0
     batches = TOTAL_BYTES // (BATCH * CHUNK_BYTES)
     for b in range(batches):
+        polled_since(b)  # at least one poll per batch, so the peak covers the whole run
         tokens = prompt(1000 + b, BATCH * NS.chunk_size)
         r = c.store(NS, tokens, lambda _c: CHUNK_BYTES, lambda _c, span: span.write(0, payload))
         assert r.refused == {} and r.busy == 0 and r.existing == 0
@@ -56,6 +64,7 @@ def test_stores_evict_within_budget_then_refuse_when_all_leased(kvtier_server, p
         assert s["reservations"] == 0
         # The batch just stored is all there: room was made by evicting older chunks, not by dropping.
         assert c.lookup(NS, tokens).tokens == BATCH * NS.chunk_size
+    polled_since(batches)
     done.set()
     poller.join(timeout=10)
     assert peak["polls"] > batches and 0 < peak["used"] <= capacity
