@@ -192,7 +192,16 @@ class KVTierClient:
         hello = {"op": "hello", "version": p.PROTOCOL_VERSION, "instance": self.config.instance,
                  "pid": os.getpid(), "token": self.config.token}
         alive = self._alive
-        reply = self._call({**hello, "lock": alive.name if alive else ""}, timeout=self.config.connect_timeout_s)
+        try:
+            reply = self._call({**hello, "lock": alive.name if alive else ""}, timeout=self.config.connect_timeout_s)
+        except KVTierError as exc:
+            if alive is None or exc.code != p.BAD_REQUEST:
+                raise
+            # the server cannot see our lock file (removed from under us): hold a new one, as at first contact
+            log.warning("kvtier server refused this client's lock file (%s): creating a new one", exc)
+            alive.close()
+            self._alive = alive = None
+            reply = self._call(dict(hello), timeout=self.config.connect_timeout_s)
         if alive is None or (alive.directory, alive.segment_name) != (reply["shm_dir"], reply["shm_name"]):
             # first contact (or a server with another segment): hold a lock file beside its segment, so
             # the server can tell this process is alive while it copies; then register with it

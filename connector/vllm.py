@@ -168,8 +168,11 @@ class KVTierConnector(KVConnectorBase_V1):
             # One lookup per request: the scheduler may ask again while the request waits for room.
             tracked = self._requests[request.request_id] = _Tracked(prompt, salt)
             if limit > num_computed_tokens:
-                found = self.client.lookup(self.namespace(salt), prompt[:limit])
-                tracked.hit_tokens = min(found.tokens_faster_than(self.min_load_bandwidth), limit)
+                try:
+                    found = self.client.lookup(self.namespace(salt), prompt[:limit])
+                    tracked.hit_tokens = min(found.tokens_faster_than(self.min_load_bandwidth), limit)
+                except Exception:  # a lookup the server refused is a miss: the scheduler must never fail
+                    log.exception("kvtier lookup failed for request %s", request.request_id)
         hit = tracked.hit_tokens
         tracked.local_tokens = num_computed_tokens
         tracked.external_tokens = max(0, hit - num_computed_tokens)

@@ -290,13 +290,15 @@ class ChunkStore:
             item.check_fits(ns.blocks_per_chunk, pool.pages_for(item.size) * pool.page_size, self.min_block_bytes)
         now = self.clock()
         results: list[list] = []
+        broken = False  # an earlier item was refused: the later ones cannot be found until it is stored
         for item in items:
             found = self.index.get(item.key)
             # A key stored as its own entry is never re-reserved, whatever block count a client claims:
             # committing it again would orphan the old entry's pages.
             if found is not None and (found[1] >= item.blocks or item.key in self.entries):
-                self.flush_touches()
-                self.policy.touch(found[0].key)
+                if not broken:  # a chunk behind a missing one is not re-used: it keeps aging
+                    self.flush_touches()
+                    self.policy.touch(found[0].key)
                 self.metrics.store_skipped.labels("exists").inc()
                 results.append([p.EXISTS])
                 continue
@@ -304,14 +306,14 @@ class ChunkStore:
                 self.metrics.store_skipped.labels("in_progress").inc()
                 results.append([p.BUSY])
                 continue
-            npages = self.pool.pages_for(item.size)
-            reason = self._make_room(npages)
+            reason = p.PREFIX_REFUSED if broken else self._admit(item)
             if reason:
+                broken = True
                 self.metrics.refused.labels(reason).inc()
                 results.append([p.REFUSED, reason])
                 continue
-            extents = self.pool.allocate(npages)
-            assert extents is not None  # _make_room guaranteed the pages
+            extents = self.pool.allocate(self.pool.pages_for(item.size))
+            assert extents is not None  # _admit made room
             rid = next(self._ids)
             self.reservations[rid] = Reservation(rid, owner, fp, item, extents, now + self.reservation_ttl_s)
             self.pending[item.key] = rid
@@ -319,6 +321,15 @@ class ChunkStore:
             results.append([p.RESERVED, rid, list(extents)])
         self._update_gauges()
         return results
+
+    def _admit(self, item: p.StoreItem) -> str | None:
+        """Pages for `item` (evicting as the policy orders), or the reason it is refused."""
+        npages = self.pool.pages_for(item.size)
+        self.flush_touches()
+        if self.pool.free_pages < npages <= self.pool.num_pages and not self.policy.admit(
+                item.key, item.size, self._is_evictable):
+            return p.NOT_ADMITTED
+        return self._make_room(npages)
 
     def _make_room(self, npages: int) -> str | None:
         pool = self.pool

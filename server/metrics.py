@@ -86,7 +86,7 @@ class Metrics:
                           registry=r)
         # Create the children a dashboard divides by, so they read 0 before the first event.
         self.hit_tokens.labels("l1")
-        for reason in ("no_space", "too_large"):
+        for reason in ("no_space", "too_large", "not_admitted", "prefix_refused"):
             self.refused.labels(reason)
         for reason in ("capacity", "clear", "resize", "superseded"):
             self.evictions.labels("l1", reason)

@@ -46,6 +46,8 @@ REFUSED = "refused"
 # Refusal reasons (counted by the server, visible to the client).
 NO_SPACE = "no_space"
 TOO_LARGE = "too_large"
+NOT_ADMITTED = "not_admitted"  # L1 is full and the policy keeps what it holds (docs/performance.md, eviction)
+PREFIX_REFUSED = "prefix_refused"  # an earlier item of the same reserve was refused: this one is unreachable
 
 
 class ProtocolError(Exception):

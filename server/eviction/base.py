@@ -1,7 +1,8 @@
 """The interface every eviction policy implements.
 
 A policy only orders keys; the cache owns the bytes. It is told about every committed entry (insert), every
-hit (touch) and every removal (remove), and names the next victim on demand (pick_victim). Keys are opaque
+hit (touch) and every removal (remove), names the next victim on demand (pick_victim) and decides whether a
+chunk offered while the cache is full may displace others at all (admit). Keys are opaque
 16-byte chunk digests; all bookkeeping is O(1) amortised per operation.
 """
 
@@ -32,6 +33,12 @@ class EvictionPolicy(abc.ABC):
 
         None if no present key is evictable. The key is not removed: the caller evicts it, then calls remove.
         """
+
+    def admit(self, key: bytes, size: int, evictable: Callable[[bytes], bool]) -> bool:
+        """Whether `key` (not present), offered for storing while the cache is full, may displace present
+        keys; the policy's own bookkeeping of the offer is its business. A refused store is counted
+        (`not_admitted`) and is only a future miss. The default admits everything."""
+        return True
 
     @abc.abstractmethod
     def __len__(self) -> int:

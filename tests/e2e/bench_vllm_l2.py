@@ -158,10 +158,7 @@ def main() -> int:
     for flag, options in OPTIONS:
         ap.add_argument(flag, **options)
     args = ap.parse_args()
-    out_dir = Path(args.out)
-    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
-    vllm_py = harness.vllm_python()
-    model = harness.build_tiny_model(vllm_py)
+    out_dir, vllm_py, model = harness.prepare_bench(args.out)
     t0 = time.time()
     rounds = []
     for rnd in range(1, args.rounds + 1):

@@ -90,6 +90,14 @@ def vllm_python(timeout: float = 1800) -> Path:
     return py
 
 
+def prepare_bench(out: str) -> tuple[Path, Path, Path]:
+    """A bench's output directory (with logs/), the vLLM venv's python and the tiny model: (out, python, model)."""
+    out_dir = Path(out)
+    (out_dir / "logs").mkdir(parents=True, exist_ok=True)
+    py = vllm_python()
+    return out_dir, py, build_tiny_model(py)
+
+
 def build_tiny_model(python: str | os.PathLike, seed: int = 0, out: str | os.PathLike | None = None) -> Path:
     """Build (or reuse) the tiny random Llama with the vLLM venv's python; return its directory."""
     cmd = [str(python), str(TINY_MODEL_SCRIPT), "--seed", str(seed)]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import zmq
 from kvtier.connector.client import ClientConfig, KVTierClient
+from kvtier.server.eviction import DEFAULT_POLICY
 from kvtier.server.keys import Namespace, chunk_keys
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -192,7 +193,7 @@ def test_healthz_and_status(srv, client):
     store(client, doc(2, 128))
     store(client, doc(3, 192), ns=NS_B)
     st = srv.http.get("/status").json()
-    assert st["version"] and st["uptime_s"] > 0 and st["policy"] == "lirs"
+    assert st["version"] and st["uptime_s"] > 0 and st["policy"] == DEFAULT_POLICY
     l1 = st["l1"]
     assert l1["capacity_bytes"] == l1["segment_bytes"] == 64 << 20
     assert l1["entries"] == 5 and l1["used_bytes"] == 5 * PAGE
@@ -260,11 +261,11 @@ def test_reconfigure_policy_and_log_level(srv, client):
     store(client, tokens)
     r = srv.http.post("/reconfigure", json={"eviction_policy": "lru", "log_level": "debug"}, headers=AUTH)
     assert r.status_code == 200, r.text
-    assert r.json()["eviction_policy"] == {"old": "lirs", "new": "lru", "entries": 4}
+    assert r.json()["eviction_policy"] == {"old": DEFAULT_POLICY, "new": "lru", "entries": 4}
     st = srv.http.get("/status").json()
     assert st["policy"] == "lru" and st["log_level"] == "debug"
     assert client.lookup(NS, tokens).tokens == 256  # entries survive the swap
-    r = srv.http.post("/reconfigure", json={"eviction_policy": "lirs", "log_level": "info"}, headers=AUTH)
+    r = srv.http.post("/reconfigure", json={"eviction_policy": DEFAULT_POLICY, "log_level": "info"}, headers=AUTH)
     assert r.json()["eviction_policy"]["entries"] == 4
     for bad in ({}, {"eviction_policy": "fifo"}, {"log_level": "trace"}, {"l1_size_gb": -1},
                 {"l1_size_gb": 0.01, "l1_size_bytes": 1 << 20}, {"l1_size_bytes": "1"}, {"l1_size_bytes": 1.5},

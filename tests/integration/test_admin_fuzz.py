@@ -13,7 +13,7 @@ pytestmark = pytest.mark.integration
 
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True),
-    st.text(max_size=40), st.sampled_from(["all", "namespace", "tier", "l1", "l2", "lru", "lirs", "debug", "00" * 16,
+    st.text(max_size=40), st.sampled_from(["all", "namespace", "tier", "l1", "l2", "lru", "lirs", "reuse", "debug", "00" * 16,
                                            NS.fingerprint().hex(), "ab" * 16, ""]),
 )
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10),

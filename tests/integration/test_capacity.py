@@ -20,7 +20,7 @@ L1_BYTES = 64 << 20
 TOTAL_BYTES = 256 << 20
 
 
-@pytest.mark.parametrize("policy", ["lru", "lirs"])
+@pytest.mark.parametrize("policy", ["lru", "lirs", "reuse"])
 def test_stores_evict_within_budget_then_refuse_when_all_leased(kvtier_server, policy):
     srv = kvtier_server(l1_gb=L1_BYTES / (1 << 30), extra=["--eviction-policy", policy])
     c = KVTierClient(ClientConfig(url=srv.url, strict=True))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import select
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -69,3 +70,21 @@ def test_killed_client_holdings_are_reclaimed(kvtier_server, start_client, recla
     # And the chunks it had leased are still there and evictable again.
     assert c.lookup(NS, tokens).tokens == 40 * NS.chunk_size
     c.close()
+
+
+def test_a_client_whose_lock_file_was_removed_recovers_with_a_new_one(kvtier_server):
+    """Someone deletes a live client's lock file (a careless /dev/shm cleanup): the server forgets the client
+    at its next sweep, and the client's next call says hello again with a new lock file instead of failing."""
+    srv = kvtier_server(l1_gb=0.0625)
+    c = KVTierClient(ClientConfig(url=srv.url, strict=True))
+    payload = np.zeros(CHUNK_BYTES, dtype=np.uint8)
+    tokens = prompt(2, 2 * NS.chunk_size)
+    assert c.store(NS, tokens, lambda _c: CHUNK_BYTES, lambda _c, span: span.write(0, payload)).stored == 2
+    old = Path(c._alive.directory, c._alive.name)
+    old.unlink()
+    watcher = KVTierClient(ClientConfig(url=srv.url, strict=True))
+    wait_for(lambda: watcher.stats()["clients"] == 1, timeout=10, what="the sweep to forget the client")
+    assert c.lookup(NS, tokens).tokens == 2 * NS.chunk_size  # no KVTierError: a new hello, a new lock
+    assert c._alive.name != old.name and Path(c._alive.directory, c._alive.name).exists()
+    c.close()
+    watcher.close()

@@ -533,3 +533,57 @@ def test_queued_lookup_touches_count_before_the_next_eviction(policy):
     [r] = store.reserve(a, fp, [item(3, BPC, PAGE)])  # needs one page: evicts a victim
     assert r[0] == p.RESERVED
     assert block_key(1, BPC) in store.entries and block_key(2, BPC) not in store.entries
+
+
+class RefuseAll(type(make_policy("lru"))):  # type: ignore[misc]
+    """LRU that refuses every offer to a full cache: the admission hook on its own."""
+
+    name = "refuse-all"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.touched: list[bytes] = []
+
+    def touch(self, key: bytes) -> None:
+        self.touched.append(key)
+        super().touch(key)
+
+    def admit(self, key, size, evictable):  # type: ignore[no-untyped-def]
+        return False
+
+
+def _full_store(policy) -> tuple[ChunkStore, bytes, object]:  # type: ignore[no-untyped-def]
+    store = ChunkStore(PagePool(2, PAGE), policy, Metrics(), clock=FakeClock(), min_block_bytes=MIN_BLOCK_BYTES)
+    fp = store.register(NS)
+    a = _hello(store, b"a")
+    for family in (1, 2):
+        [r] = store.reserve(a, fp, [item(family, BPC, PAGE)])
+        store.commit(a, [r[1]])
+    return store, fp, a
+
+
+def test_a_refused_offer_is_counted_and_evicts_nothing():
+    store, fp, a = _full_store(RefuseAll())
+    assert store.reserve(a, fp, [item(3, BPC, PAGE)]) == [[p.REFUSED, p.NOT_ADMITTED]]
+    assert set(store.entries) == {block_key(1, BPC), block_key(2, BPC)}
+    assert store.metrics.refused.labels(p.NOT_ADMITTED)._value.get() == 1
+    store.clear()
+    assert store.reserve(a, fp, [item(3, BPC, PAGE)])[0][0] == p.RESERVED  # room free: no admission asked
+
+
+def test_items_after_a_refused_one_are_unreachable_and_not_stored():
+    store, fp, a = _full_store(RefuseAll())
+    # [3, 1, 4]: 3 is refused, so 1 (present) and 4 could never be found behind it
+    results = store.reserve(a, fp, [item(3, BPC, PAGE), item(1, BPC, PAGE), item(4, BPC, PAGE)])
+    assert results == [[p.REFUSED, p.NOT_ADMITTED], [p.EXISTS], [p.REFUSED, p.PREFIX_REFUSED]]
+    assert store.metrics.refused.labels(p.PREFIX_REFUSED)._value.get() == 1
+    assert store.policy.touched == []  # 1 is not re-used behind the refused chunk: it keeps aging
+    assert store.reserve(a, fp, [item(1, BPC, PAGE)]) == [[p.EXISTS]]
+    assert store.policy.touched == [block_key(1, BPC)]
+
+
+def test_a_too_large_item_also_breaks_the_chain():
+    store, fp, a = _full_store(make_policy("lru"))
+    results = store.reserve(a, fp, [item(3, BPC, 3 * PAGE), item(4, BPC, PAGE)])
+    assert results == [[p.REFUSED, p.TOO_LARGE], [p.REFUSED, p.PREFIX_REFUSED]]
+    assert len(store.entries) == 2
