@@ -8,7 +8,6 @@ exception (unless `strict`), and a restarted server is detected and re-registere
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import logging
 import os
@@ -21,16 +20,16 @@ from typing import Any
 
 import numpy as np
 import zmq
-from kvtier.connector.pages import PageSpan
+from kvtier.connector.results import L1_TIER, ChunkHit, LookupResult, ReadChunk, ReadFn, StoreResult, WriteFn
 from kvtier.server import protocol as p
 from kvtier.server.keys import ChunkKeys, Namespace, chunk_keys
 from kvtier.shm.client_lock import ClientLock
+from kvtier.shm.pages import PageSpan
 from kvtier.shm.segment import Segment
 
 log = logging.getLogger("kvtier.client")
 
 DEFAULT_URL = "tcp://127.0.0.1:5555"
-L1_TIER = "l1"
 
 
 class KVTierUnavailable(RuntimeError):
@@ -54,81 +53,6 @@ class ClientConfig:
     strict: bool = False
     instance: str = field(default_factory=lambda: f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     token: str = ""
-
-
-@dataclass(frozen=True)
-class ChunkHit:
-    chunk: ChunkKeys
-    match: int  # leading engine blocks of this chunk that are stored
-    tier: str
-
-
-@dataclass
-class LookupResult:
-    """The longest stored prefix: per matched chunk, its leading stored blocks and tier. `hits` is built on
-    first use: an engine's scheduler usually needs only `tokens`."""
-
-    chunks: list[ChunkKeys]
-    matches: list[int]
-    tiers: list[str]
-    block_size: int
-    # Measured read bandwidth (bytes/s) of the lower tiers, sent with lower-tier hits; 0.0 = not measured yet.
-    bandwidth: dict[str, float] = field(default_factory=dict)
-
-    @functools.cached_property
-    def hits(self) -> list[ChunkHit]:
-        return list(map(ChunkHit, self.chunks, self.matches, self.tiers))
-
-    @property
-    def blocks(self) -> int:
-        return sum(self.matches)
-
-    @property
-    def tokens(self) -> int:
-        return self.blocks * self.block_size
-
-    def tokens_faster_than(self, min_bandwidth: float) -> int:
-        """Prefix tokens up to the first chunk in a lower tier whose measured read bandwidth is below
-        `min_bandwidth` bytes/s (loading it would be slower than recomputing it). A tier not measured yet
-        counts as fast; `min_bandwidth` 0 keeps every hit."""
-        if min_bandwidth <= 0 or not self.bandwidth:
-            return self.tokens
-        blocks = 0
-        for match, tier in zip(self.matches, self.tiers, strict=True):
-            if tier != L1_TIER and 0.0 < self.bandwidth.get(tier, 0.0) < min_bandwidth:
-                break
-            blocks += match
-        return blocks * self.block_size
-
-
-@dataclass
-class StoreResult:
-    stored: int = 0
-    existing: int = 0
-    busy: int = 0
-    refused: dict[str, int] = field(default_factory=dict)
-
-    @classmethod
-    def merged(cls, parts: list[StoreResult]) -> StoreResult:
-        out = cls(sum(r.stored for r in parts), sum(r.existing for r in parts), sum(r.busy for r in parts))
-        for r in parts:
-            for reason, n in r.refused.items():
-                out.refused[reason] = out.refused.get(reason, 0) + n
-        return out
-
-
-@dataclass(frozen=True)
-class ReadChunk:
-    """A leased chunk to copy out: `match` leading blocks of the stored `blocks` are the caller's."""
-
-    chunk: ChunkKeys
-    blocks: int
-    match: int
-    span: PageSpan
-
-
-WriteFn = Callable[[ChunkKeys, PageSpan], None]
-ReadFn = Callable[[ReadChunk], None]
 
 
 class KVTierClient:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from kvtier.connector.pages import PageSpan
+from kvtier.shm.pages import PageSpan
 
 
 class PagedKV:

@@ -12,10 +12,10 @@ from kvtier.server import config as server_config
 # Subcommands implemented outside the daemon: (group, name) or (name,) -> (module, help). Each module offers
 # add_arguments(parser) and run(args) -> int.
 TOOLS = {
-    ("bench", "trace"): ("kvtier.server.bench_trace", "replay eviction traces against LRU and Belady's optimum"),
-    ("bench", "datapath"): ("kvtier.connector.bench_datapath", "copy path vs raw memcpy of the same bytes"),
-    ("bench", "lookup"): ("kvtier.connector.bench_lookup", "lookup round trip vs a bare ZeroMQ+msgpack echo"),
-    ("bench", "l2"): ("kvtier.server.bench_l2", "L2 tier write/read vs raw file I/O; L2 promotion vs L1 hit"),
+    ("bench", "trace"): ("kvtier.server.bench.trace", "replay eviction traces against LRU and Belady's optimum"),
+    ("bench", "datapath"): ("kvtier.server.bench.datapath", "copy path vs raw memcpy of the same bytes"),
+    ("bench", "lookup"): ("kvtier.server.bench.lookup", "lookup round trip vs a bare ZeroMQ+msgpack echo"),
+    ("bench", "l2"): ("kvtier.server.bench.l2", "L2 tier write/read vs raw file I/O; L2 promotion vs L1 hit"),
     ("status",): ("kvtier.admin_api.status_cli", "summarise a running server's admin /status"),
 }
 

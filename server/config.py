@@ -48,6 +48,7 @@ class ServerConfig:
     l2_size_gb: float = _opt(10.0, "L2 capacity in GiB (chunk files, headers included)")
     l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (aligned buffers; buffered if the filesystem refuses it)")
     l2_queue_depth: int = _opt(1024, "chunks the L2 write-behind queue holds before L2 copies are dropped")
+    l2_eviction_policy: str = _opt("lru", "eviction policy of the L2 tier", choices=sorted(POLICIES))
 
     @property
     def l2_bytes(self) -> int:
@@ -80,8 +81,8 @@ class ServerConfig:
             raise ValueError("--port must be in 1..65535")
         if self.chunk_size <= 0 or self.page_size_kb <= 0:
             raise ValueError("--chunk-size and --page-size-kb must be positive")
-        if self.eviction_policy not in POLICIES:
-            raise ValueError(f"--eviction-policy must be one of {sorted(POLICIES)}")
+        if self.eviction_policy not in POLICIES or self.l2_eviction_policy not in POLICIES:
+            raise ValueError(f"--eviction-policy and --l2-eviction-policy must be one of {sorted(POLICIES)}")
         if self.host not in LOOPBACK_HOSTS and not self.admin_token:
             raise ValueError(
                 f"--host {self.host} is not loopback: set --admin-token (or KVTIER_ADMIN_TOKEN) so clients authenticate"

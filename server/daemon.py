@@ -15,12 +15,15 @@ from typing import Protocol
 import uvloop
 import zmq
 from kvtier.server import protocol as p
-from kvtier.server.chunk_store import ChunkStore
+from kvtier.server.cache import Cache
 from kvtier.server.config import ServerConfig
 from kvtier.server.eviction import make_policy
-from kvtier.server.l1_pool import PagePool
+from kvtier.server.l1.holds import Holds
+from kvtier.server.l1.pool import PagePool
+from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.server.rpc import RequestHandler
+from kvtier.server.tiers import make_tiers
 from kvtier.shm.client_lock import LockDirectory
 from kvtier.shm.segment import Segment, tmpfs_options
 
@@ -48,42 +51,24 @@ class Daemon:
                                       config.shm_dir)
         self.locks = LockDirectory(config.shm_dir, self.segment.name)
         self.locks.sweep()  # lock files of clients of an earlier server that died
-        self.store = ChunkStore(
-            PagePool(num_pages, config.page_size),
-            make_policy(config.eviction_policy),
-            self.metrics,
-            lease_ttl_s=config.lease_ttl_s,
-            reservation_ttl_s=config.reservation_ttl_s,
-            client_timeout_s=config.client_timeout_s,
-            locks=self.locks,
-        )
-        segment_info = {"shm_name": self.segment.name, "shm_dir": config.shm_dir, "shm_size": self.segment.size,
-                        "page_size": config.page_size}
-        self.handler = RequestHandler(
-            self.store, segment_info, config.chunk_size, heartbeat_s=config.client_timeout_s / 3,
-            token=config.admin_token,
-        )
-        self.l2 = self._open_l2(config)
-        self.handler.lower_tier = self.l2
-        self._stop = asyncio.Event()
-        self._prefault_stop = threading.Event()
-        self._signals = 0
-
-    def _open_l2(self, config: ServerConfig):  # noqa: ANN202 - L2Service | None, imported lazily
-        if not config.l2_path:
-            return None
-        from kvtier.server.l2_service import L2Service
-
+        store = L1Store(PagePool(num_pages, config.page_size), make_policy(config.eviction_policy), self.metrics)
+        holds = Holds(store, self.metrics, lease_ttl_s=config.lease_ttl_s, reservation_ttl_s=config.reservation_ttl_s,
+                      client_timeout_s=config.client_timeout_s, locks=self.locks)
         try:
-            l2 = L2Service.filesystem(self.store, self.segment.array(), config.l2_path, config.l2_bytes,
-                                      config.l2_queue_depth, self.metrics, config.l2_odirect)
-            l2.open()  # the index scan runs before the server reports ready
+            self.cache = Cache(store, holds, self.metrics, make_tiers(config, store, self.segment.array(), self.metrics))
+            self.cache.open()  # lower tiers' index scans run before the server reports ready
         except BaseException:
             self.segment.close()
             raise
-        log.info("L2 at %s: %d chunks, %.2f of %.2f GiB", config.l2_path, l2.tier.entries,
-                 l2.tier.used_bytes / (1 << 30), config.l2_size_gb)
-        return l2
+        segment_info = {"shm_name": self.segment.name, "shm_dir": config.shm_dir, "shm_size": self.segment.size,
+                        "page_size": config.page_size}
+        self.handler = RequestHandler(
+            self.cache, segment_info, config.chunk_size, heartbeat_s=config.client_timeout_s / 3,
+            token=config.admin_token,
+        )
+        self._stop = asyncio.Event()
+        self._prefault_stop = threading.Event()
+        self._signals = 0
 
     async def serve(self) -> None:
         ctx = zmq.Context()
@@ -92,8 +77,7 @@ class Daemon:
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         loop = asyncio.get_running_loop()
-        if self.l2 is not None:
-            self.l2.attach_loop(loop)
+        self.cache.attach_loop(loop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
@@ -123,8 +107,7 @@ class Daemon:
                 prefault.join()
             for service in reversed(services):
                 await service.stop()
-            if self.l2 is not None:
-                self.l2.close()
+            self.cache.close()
         finally:
             sock.close(0)
             ctx.term()
@@ -172,7 +155,7 @@ class Daemon:
                 task = loop.create_task(self._send_later(sock, loop, later, frames[0], reply))
                 later.add(task)
                 task.add_done_callback(later.discard)
-            self.store.flush_touches()  # bookkeeping the reply did not need to wait for
+            self.cache.store.flush_touches()  # bookkeeping the reply did not need to wait for
         loop.call_soon(self._drain, sock, loop, later)
 
     async def _send_later(self, sock: zmq.Socket, loop: asyncio.AbstractEventLoop, later: set[asyncio.Task[None]],
@@ -185,7 +168,7 @@ class Daemon:
     def _start_prefault(self) -> threading.Thread | None:
         if not self.config.l1_prefault:
             return None
-        self.store.prefault = "running"
+        self.cache.store.prefault = "running"
         thread = threading.Thread(target=self._prefault, name="kvtier-l1-prefault", daemon=True)
         thread.start()
         return thread
@@ -195,22 +178,22 @@ class Daemon:
         try:
             finished = self.segment.prefault(self._prefault_stop, self._set_backed)
         except OSError as exc:  # e.g. /dev/shm smaller than L1: stores then fault pages in as they go
-            self.store.prefault = "failed"
-            log.warning("L1 prefault stopped after %.2f GiB: %s", self.store.backed_bytes / (1 << 30), exc)
+            self.cache.store.prefault = "failed"
+            log.warning("L1 prefault stopped after %.2f GiB: %s", self.cache.store.backed_bytes / (1 << 30), exc)
             return
-        self.store.prefault = "done" if finished else "stopped"
+        self.cache.store.prefault = "done" if finished else "stopped"
         if finished:
             log.info("L1 backed by memory: %.2f GiB in %.1f s", self.segment.size / (1 << 30),
                      time.monotonic() - started)
 
     def _set_backed(self, nbytes: int) -> None:
-        self.store.backed_bytes = nbytes
+        self.cache.store.backed_bytes = nbytes
 
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             try:
-                self.store.sweep()
+                self.cache.holds.sweep()
             except Exception:  # keep sweeping; a bug here must not stop reclamation
                 log.exception("sweep failed")
 

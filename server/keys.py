@@ -146,8 +146,3 @@ def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray) -> l
         out.append(ChunkKeys(index, start, namespace.blocks_per_chunk, tuple(keys)))
         prev = keys[-1]
     return out
-
-
-def tokens_of_hits(namespace: Namespace, hit_blocks: Sequence[int]) -> int:
-    """Number of prefix tokens covered by a lookup's per-chunk hit block counts."""
-    return sum(hit_blocks) * namespace.block_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+L1 = "l1"  # the memory tier's label; lower tiers label their metrics with their `name`
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _BYTES_BUCKETS = tuple(float(2**p) for p in range(12, 32, 2))
 _STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0)
@@ -12,7 +13,13 @@ _STAGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._requests(self.registry)
+        self._traffic(self.registry)
+        self._state(self.registry)
+        self._timings_and_info(self.registry)
+        self._precreate()
+
+    def _requests(self, r: CollectorRegistry) -> None:
         self.requests = Counter("kvtier_requests", "Protocol requests handled, by operation", ["op"], registry=r)
         self.request_errors = Counter(
             "kvtier_request_errors", "Requests answered with an error, by error code", ["code"], registry=r
@@ -24,6 +31,8 @@ class Metrics:
         )
         self.requested_tokens = Counter("kvtier_requested_tokens", "Prompt tokens asked for by lookups", registry=r)
         self.hit_tokens = Counter("kvtier_hit_tokens", "Prompt tokens found by lookups, by tier", ["tier"], registry=r)
+
+    def _traffic(self, r: CollectorRegistry) -> None:
         self.stores = Counter("kvtier_stores", "Chunks committed", registry=r)
         self.store_bytes = Counter("kvtier_store_bytes", "Bytes committed to L1", registry=r)
         self.store_skipped = Counter(
@@ -34,6 +43,8 @@ class Metrics:
         self.retrieves = Counter("kvtier_retrieves", "Chunks acquired for reading", registry=r)
         self.retrieve_bytes = Counter("kvtier_retrieve_bytes", "Bytes of chunks acquired for reading", registry=r)
         self.evictions = Counter("kvtier_evictions", "Chunks evicted, by tier and reason", ["tier", "reason"], registry=r)
+
+    def _state(self, r: CollectorRegistry) -> None:
         self.leases_expired = Counter("kvtier_leases_expired", "Read leases lapsed by TTL or client loss (reads reported lost)", registry=r)
         self.reservations_expired = Counter(
             "kvtier_reservations_expired", "Write reservations lapsed by TTL or client loss (never committed)", registry=r
@@ -51,6 +62,8 @@ class Metrics:
         self.entries = Gauge("kvtier_entries", "Chunks stored, by tier", ["tier"], registry=r)
         self.pinned_bytes = Gauge("kvtier_pinned_bytes", "L1 bytes of pinned chunks", registry=r)
         self.clients = Gauge("kvtier_clients_connected", "Registered clients", registry=r)
+
+    def _timings_and_info(self, r: CollectorRegistry) -> None:
         self.request_latency = Histogram(
             "kvtier_request_seconds", "Server-side handling time, by operation", ["op"],
             buckets=_LATENCY_BUCKETS, registry=r,
@@ -84,10 +97,50 @@ class Metrics:
         )
         self.info = Gauge("kvtier_build_info", "Always 1; the version label is the kvtier version", ["version"],
                           registry=r)
-        # Create the children a dashboard divides by, so they read 0 before the first event.
-        self.hit_tokens.labels("l1")
+
+    def _precreate(self) -> None:
+        """Create the children a dashboard divides by, so they read 0 before the first event."""
+        self.hit_tokens.labels(L1)
         for reason in ("no_space", "too_large", "not_admitted", "prefix_refused"):
             self.refused.labels(reason)
         for reason in ("capacity", "clear", "resize", "superseded"):
-            self.evictions.labels("l1", reason)
-        self.entries.labels("l1")
+            self.evictions.labels(L1, reason)
+        self.entries.labels(L1)
+
+
+class L2Metrics:
+    """The disk tier's own metrics (names kvtier_l2_*), registered when L2 is configured."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        r = metrics.registry
+        self.used = Gauge("kvtier_l2_used_bytes", "L2 bytes in use (chunk files, headers included)", registry=r)
+        self.capacity = Gauge("kvtier_l2_capacity_bytes", "L2 capacity", registry=r)
+        self.queue_depth = Gauge("kvtier_l2_queue_depth", "Chunks waiting in the L2 write-behind queue", registry=r)
+        self.dropped = Counter("kvtier_l2_dropped_writes", "L2 copies dropped because the queue was full", registry=r)
+        self.corrupt = Counter("kvtier_l2_corrupt_chunks", "L2 chunk files found corrupt and removed", registry=r)
+        self.written = Gauge(
+            "kvtier_l2_written_chunks", "Chunks whose L2 file is durable, since the server started", registry=r
+        )
+        self.promoted = Counter("kvtier_l2_promotions", "L2 chunks promoted to L1 by lookups", registry=r)
+        self.promotion_failures = Counter(
+            "kvtier_l2_promotion_failures", "L2 promotions whose file was missing or corrupt (served as misses)",
+            registry=r,
+        )
+        self.promoting_bytes = Gauge(
+            "kvtier_l2_promoting_bytes", "L1 bytes held by promotions from L2 still in flight", registry=r
+        )
+        self.promotions_capped = Counter(
+            "kvtier_l2_promotions_capped", "L2 hits not promoted (nor reported) because of the in-flight cap",
+            registry=r,
+        )
+        self.promotion_waits = Counter(
+            "kvtier_l2_promotion_waits", "Acquires that had to wait for an in-flight promotion", registry=r
+        )
+        self.promotions_expired = Counter(
+            "kvtier_l2_promotions_expired", "L2 promotions abandoned at their deadline (served as misses)",
+            registry=r,
+        )
+        self.clear_failures = Counter(
+            "kvtier_l2_clear_failures", "L2 files a cache clear could not remove (forgotten, never served)",
+            registry=r,
+        )

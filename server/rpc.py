@@ -1,4 +1,4 @@
-"""Request handlers: decode and validate a frame, run it against the ChunkStore, encode the reply.
+"""Request handlers: decode and validate a frame, run it against the Cache, encode the reply.
 
 Anything a client sends ends in a reply: malformed input is answered with a typed error and counted,
 never raised into the serving loop.
@@ -13,8 +13,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvtier.server import protocol as p
-from kvtier.server.chunk_store import L1, ChunkStore, ClientState
+from kvtier.server.cache import Acquired, Cache
 from kvtier.server.keys import Namespace
+from kvtier.server.metrics import L1
 from kvtier.server.tokens import token_matches
 
 log = logging.getLogger("kvtier.server")
@@ -26,16 +27,16 @@ Handler = Callable[[bytes, dict[str, Any]], Reply]
 
 class RequestHandler:
     def __init__(
-        self, store: ChunkStore, segment: dict[str, Any], chunk_size: int, heartbeat_s: float, token: str = ""
+        self, cache: Cache, segment: dict[str, Any], chunk_size: int, heartbeat_s: float, token: str = ""
     ) -> None:
-        self.store = store
+        self.cache = cache
+        self.holds = cache.holds
         self.token = token.encode()  # UTF-8, as the admin API compares it (server/tokens.py)
         self.server_id = uuid.uuid4().hex
         self.segment = segment
         self.chunk_size = chunk_size
         self.heartbeat_s = heartbeat_s
-        self.metrics = store.metrics
-        self.lower_tier: Any = None  # extends lookups past L1 and adds to stats (server/l2_service.py)
+        self.metrics = cache.metrics
         self._ops: dict[str, Handler] = {
             "hello": self._hello,
             "register": self._register,
@@ -98,7 +99,7 @@ class RequestHandler:
 
     def _hello(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         """Register the socket; a hello that fails leaves it unregistered, whatever it was before."""
-        self.store.retire(ident)
+        self.holds.retire(ident)
         version = p.field(m, "version", int)
         if version != p.PROTOCOL_VERSION:
             raise p.ProtocolError(p.VERSION_MISMATCH, f"server speaks protocol {p.PROTOCOL_VERSION}, client {version}")
@@ -106,7 +107,7 @@ class RequestHandler:
             raise p.ProtocolError(p.UNAUTHORIZED, "missing or wrong token")
         instance = p.field(m, "instance", str, "")[:200]
         pid = p.field(m, "pid", int, 0)
-        self.store.hello(ident, instance, pid, p.field(m, "lock", str, ""))
+        self.holds.hello(ident, instance, pid, p.field(m, "lock", str, ""))
         log.debug("client %s (pid %s) connected", instance, pid)
         return p.ok(
             p.request_id(m),
@@ -114,43 +115,39 @@ class RequestHandler:
             server_id=self.server_id,
             chunk_size=self.chunk_size,
             heartbeat_s=self.heartbeat_s,
-            lease_ttl_s=self.store.lease_ttl_s,
+            lease_ttl_s=self.holds.lease_ttl_s,
             **self.segment,
         )
 
     def _register(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        owner = self.store.client(ident)
+        owner = self.holds.client(ident)
         try:
             namespace = Namespace.from_dict(p.field(m, "namespace", dict))
         except (TypeError, ValueError) as exc:
             raise p.ProtocolError(p.BAD_REQUEST, f"bad namespace: {exc}"[:300]) from None
-        return p.ok(p.request_id(m), ns=self.store.register(namespace, owner))
+        return p.ok(p.request_id(m), ns=self.holds.register(namespace, owner))
 
     def _ns(self, m: dict[str, Any]) -> bytes:
         return p.key_field(p.field(m, "ns", bytes), "ns")
 
     def _lookup(self, ident: bytes, m: dict[str, Any]) -> Reply:
-        owner = self.store.client(ident)
+        self.holds.client(ident)
         fp = self._ns(m)
         chunks = p.key_lists_field(m, "chunks")
-        hits = self.store.lookup(fp, chunks)
-        tiers = [L1] * len(hits)
-        lower = self.lower_tier is not None and len(hits) < len(chunks)
-        if lower:
-            hits, tiers = self.lower_tier.extend_lookup(fp, chunks, hits)
-        reply = p.ok(p.request_id(m), hits=[match for _, match in hits], tiers=tiers)
-        if lower and tiers and tiers[-1] != L1:  # lower-tier hits follow the L1 prefix
-            reply["bw"] = self.lower_tier.bandwidths()
-        if p.field(m, "acquire", bool, False) and hits:
-            keys = [chunks[i][match - 1] for i, (_, match) in enumerate(hits)]
-            return self._leased(ident, owner, fp, keys, reply)
+        found = self.cache.lookup(fp, chunks)
+        reply = p.ok(p.request_id(m), hits=[match for _, match in found.hits], tiers=found.tiers)
+        if found.tiers and found.tiers[-1] != L1:  # lower-tier hits follow the L1 prefix
+            reply["bw"] = self.cache.bandwidths()
+        if p.field(m, "acquire", bool, False) and found.hits:
+            keys = [chunks[i][match - 1] for i, (_, match) in enumerate(found.hits)]
+            return self._leased(ident, fp, keys, reply)
         return reply
 
     def _reserve(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        owner = self.store.client(ident)
+        owner = self.holds.client(ident)
         fp = self._ns(m)
         items = [p.StoreItem.from_wire(v) for v in p.list_field(m, "items", p.MAX_STORE_ITEMS)]
-        return p.ok(p.request_id(m), results=self.store.reserve(owner, fp, items))
+        return p.ok(p.request_id(m), results=self.holds.reserve(owner, fp, items))
 
     def _ids(self, m: dict[str, Any], name: str) -> list[int]:
         ids = p.list_field(m, name)
@@ -162,55 +159,52 @@ class RequestHandler:
     # (a client stopped past its timeout), then answer not_registered: that client must say hello again.
 
     def _commit(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        committed = self.store.commit(self.store.caller(ident), self._ids(m, "res"))
-        self.store.client(ident)
+        committed = self.cache.commit(self.holds.caller(ident), self._ids(m, "res"))
+        self.holds.client(ident)
         return p.ok(p.request_id(m), committed=committed)
 
     def _abort(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        aborted = self.store.abort(self.store.caller(ident), self._ids(m, "res"))
-        self.store.client(ident)
+        aborted = self.holds.abort(self.holds.caller(ident), self._ids(m, "res"))
+        self.holds.client(ident)
         return p.ok(p.request_id(m), aborted=aborted)
 
     def _acquire(self, ident: bytes, m: dict[str, Any]) -> Reply:
-        owner = self.store.client(ident)
+        self.holds.client(ident)
         fp = self._ns(m)
         keys = [p.key_field(k) for k in p.list_field(m, "keys")]
-        return self._leased(ident, owner, fp, keys, p.ok(p.request_id(m)))
+        return self._leased(ident, fp, keys, p.ok(p.request_id(m)))
 
-    def _leased(self, ident: bytes, owner: ClientState, fp: bytes, keys: list[bytes], reply: dict[str, Any]
-                ) -> Reply:
-        """`reply` with a lease on `keys`; an awaitable of it while any of them is still being promoted from
-        a lower tier (a promotion that fails leaves a miss, `None`, for its key)."""
-        pending = self.lower_tier.promotions(keys) if self.lower_tier is not None else None
-        if pending is not None:
-            return self._leased_later(ident, fp, keys, reply, pending)
-        lid, items = self.store.acquire(owner, fp, keys)
+    def _leased(self, ident: bytes, fp: bytes, keys: list[bytes], reply: dict[str, Any]) -> Reply:
+        """`reply` with a lease on `keys` (an awaitable of it while the cache waits on promotions)."""
+        leased = self.cache.acquire(ident, fp, keys)
+        if isinstance(leased, tuple):
+            return self._with_lease(reply, leased)
+        return self._with_lease_later(reply, leased)
+
+    @staticmethod
+    def _with_lease(reply: dict[str, Any], leased: Acquired) -> dict[str, Any]:
+        lid, items = leased
         reply["lease"] = lid
         reply["items"] = [item.to_wire() if item else None for item in items]
         return reply
 
-    async def _leased_later(self, ident: bytes, fp: bytes, keys: list[bytes], reply: dict[str, Any],
-                            pending: Awaitable[Any]) -> dict[str, Any]:
-        await pending
-        owner = self.store.client(ident)  # not_registered if the client was dropped meanwhile
-        leased = self._leased(ident, owner, fp, keys, reply)
-        return leased if isinstance(leased, dict) else await leased
+    async def _with_lease_later(self, reply: dict[str, Any], pending: Awaitable[Acquired]) -> dict[str, Any]:
+        return self._with_lease(reply, await pending)
 
     def _release(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        owner = self.store.caller(ident)
-        released = sum(self.store.release(owner, lid) for lid in self._ids(m, "leases"))
-        self.store.client(ident)
+        owner = self.holds.caller(ident)
+        released = sum(self.holds.release(owner, lid) for lid in self._ids(m, "leases"))
+        self.holds.client(ident)
         return p.ok(p.request_id(m), released=released)
 
     def _heartbeat(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        self.store.client(ident)
+        self.holds.client(ident)
         return p.ok(p.request_id(m), server_id=self.server_id)
 
     def _stats(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        self.store.client(ident)
-        extra = self.lower_tier.stats() if self.lower_tier is not None else {}
-        return p.ok(p.request_id(m), server_id=self.server_id, **self.store.stats(), **extra)
+        self.holds.client(ident)
+        return p.ok(p.request_id(m), server_id=self.server_id, **self.cache.status())
 
     def _bye(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        self.store.drop_client(ident)
+        self.holds.drop_client(ident)
         return p.ok(p.request_id(m))

@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
 from bench_vllm import LENGTHS, documents, mean, timed  # noqa: E402
-from kvtier.connector import bench_common as bc  # noqa: E402
-from kvtier.server.bench_l2 import drop_page_cache  # noqa: E402
+from kvtier.server.bench import common as bc  # noqa: E402
+from kvtier.server.bench.l2 import drop_page_cache  # noqa: E402
 
 PHASES = ("cold", "l1_reload", "l2_reload", "l1_again")
 OPTIONS: tuple[tuple[str, dict[str, Any]], ...] = (

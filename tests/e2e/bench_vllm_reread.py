@@ -4,7 +4,7 @@ Not a pytest module (no ``test_`` prefix). Run from the project venv::
 
     .venv/bin/python tests/e2e/bench_vllm_reread.py [--l1-gib 0.0526 0.0427 0.0311] [--policies reuse lru]
 
-The workload of the published LMCache measurement (server/trace_workloads.reread_trace): 40 documents of
+The workload of the published LMCache measurement (server/bench/trace_workloads.reread_trace): 40 documents of
 1,020 token ids read in order four times, ``POST /reset_prefix_cache`` before every request, so every
 reread is served by kvtier or recomputed. One real vLLM (CPU build, the tiny random Llama: 7 blocks of
 256 KiB = 28 pages per document, 1,120 pages in all) and a fresh ``kvtier server --l1-size-gb X
@@ -27,10 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness  # noqa: E402
 from bench_vllm import ext_tokens  # noqa: E402
-from kvtier.server.bench_trace import REREAD_L1_GIB  # noqa: E402
-from kvtier.server.eviction import DEFAULT_POLICY  # noqa: E402
-from kvtier.server.trace_replay import BELADY, replay  # noqa: E402
-from kvtier.server.trace_workloads import (  # noqa: E402
+from kvtier.server.bench.trace import REREAD_L1_GIB  # noqa: E402
+from kvtier.server.bench.trace_replay import BELADY, replay  # noqa: E402
+from kvtier.server.bench.trace_workloads import (  # noqa: E402
     REREAD_DOCS,
     REREAD_PASSES,
     REREAD_TOKENS,
@@ -38,6 +37,7 @@ from kvtier.server.trace_workloads import (  # noqa: E402
     reread_trace,
     working_set_pages,
 )
+from kvtier.server.eviction import DEFAULT_POLICY  # noqa: E402
 
 GEOMETRY = Geometry()  # 128-token blocks of 256 KiB (the tiny Llama on vLLM's CPU build), 64 KiB pages
 

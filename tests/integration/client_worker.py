@@ -13,7 +13,8 @@ import time
 
 import numpy as np
 from _support import prompt
-from kvtier.connector.client import ClientConfig, KVTierClient, ReadChunk
+from kvtier.connector.client import ClientConfig, KVTierClient
+from kvtier.connector.results import ReadChunk
 from kvtier.server import protocol as p
 from kvtier.server.keys import Namespace, chunk_keys
 

@@ -26,7 +26,7 @@ NS = Namespace(model="org/tiny-l2-hostile", dtype="bfloat16", num_layers=2, kv_h
 SIZE = 16384  # bytes per chunk: four 4 KiB pages
 BLOCKS = NS.chunk_size // NS.block_size  # per chunk
 STOP_S = 20.0  # SIGTERM to exit: only to tell a hang from a shutdown (one takes well under a second)
-PROMOTE_THREADS = 4  # server/l2_service.py
+PROMOTE_THREADS = 4  # server/tiers/promotion.py
 
 
 def payload_of(key: bytes) -> np.ndarray:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from _support import prompt
-from kvtier.connector.client import ClientConfig, KVTierClient, ReadChunk
+from kvtier.connector.client import ClientConfig, KVTierClient
+from kvtier.connector.results import ReadChunk
 from kvtier.server.keys import Namespace
 
 pytestmark = pytest.mark.integration

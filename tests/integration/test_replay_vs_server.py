@@ -7,11 +7,12 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from kvtier.connector.client import ClientConfig, KVTierClient, ReadChunk
+from kvtier.connector.client import ClientConfig, KVTierClient
+from kvtier.connector.results import ReadChunk
+from kvtier.server.bench.trace_replay import drive, replay
+from kvtier.server.bench.trace_workloads import Geometry, Trace, chat_trace, cyclic_trace, zipf_trace
 from kvtier.server.eviction import DEFAULT_POLICY
 from kvtier.server.keys import ChunkKeys, Namespace
-from kvtier.server.trace_replay import drive, replay
-from kvtier.server.trace_workloads import Geometry, Trace, chat_trace, cyclic_trace, zipf_trace
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from _support import prompt, wait_for
 from client_worker import chunk_bytes_of
-from kvtier.connector.client import ClientConfig, KVTierClient, ReadChunk
+from kvtier.connector.client import ClientConfig, KVTierClient
+from kvtier.connector.results import ReadChunk
 from kvtier.server.keys import Namespace
 
 pytestmark = pytest.mark.integration

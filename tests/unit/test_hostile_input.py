@@ -9,15 +9,17 @@ import tracemalloc
 import msgpack
 import numpy as np
 import pytest
-from kvtier.connector.pages import PageSpan
 from kvtier.server import protocol as p
-from kvtier.server.chunk_store import ChunkStore, Entry
+from kvtier.server.cache import Cache
 from kvtier.server.eviction import make_policy
 from kvtier.server.keys import MAX_NS_STR, Namespace, chunk_keys
-from kvtier.server.l1_pool import PagePool
+from kvtier.server.l1.holds import Holds
+from kvtier.server.l1.pool import PagePool
+from kvtier.server.l1.store import Entry, L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.server.rpc import RequestHandler
 from kvtier.shm.client_lock import ClientLock, LockDirectory
+from kvtier.shm.pages import PageSpan
 
 pytestmark = pytest.mark.unit
 
@@ -29,11 +31,18 @@ NS_B = Namespace(model="other", dtype="bf16", num_layers=2, kv_heads=2, head_siz
 IDENT = b"client-1"
 
 
+def _handler(locks: LockDirectory | None = None) -> RequestHandler:
+    """A handler over an L1-only cache of 64 pages (`locks`: clients must hold real lock files)."""
+    metrics = Metrics()
+    store = L1Store(PagePool(64, PAGE), make_policy("lru"), metrics)
+    cache = Cache(store, Holds(store, metrics, locks=locks), metrics)
+    return RequestHandler(cache, {"shm_name": "seg", "shm_size": 64 * PAGE, "page_size": PAGE}, 64, 5.0)
+
+
 @pytest.fixture
 def rig(tmp_path):
     """A handler over a store with real client lock files; `hello()` registers a client holding one."""
-    store = ChunkStore(PagePool(64, PAGE), make_policy("lru"), Metrics(), locks=LockDirectory(str(tmp_path), "seg"))
-    h = RequestHandler(store, {"shm_name": "seg", "shm_size": 64 * PAGE, "page_size": PAGE}, 64, 5.0)
+    h = _handler(LockDirectory(str(tmp_path), "seg"))
     locks: list[ClientLock] = []
 
     def call(message: dict, ident: bytes = IDENT) -> dict:
@@ -61,7 +70,7 @@ def test_alias_equal_to_its_own_key_is_refused(rig):
     assert reply["code"] == p.BAD_REQUEST and "differ from its key" in reply["error"]
     reply = rig.call({"op": "reserve", "ns": fp, "items": [[k.key, PAGE, 3, [k.aliases[0]] * 2]]})
     assert reply["code"] == p.BAD_REQUEST
-    assert not rig.store.index and rig.store.pool.used_pages == 0
+    assert not rig.cache.store.index and rig.cache.store.pool.used_pages == 0
 
 
 def test_blocks_are_tied_to_the_namespace_and_to_l1_bytes(rig):
@@ -69,7 +78,7 @@ def test_blocks_are_tied_to_the_namespace_and_to_l1_bytes(rig):
     k = chunk_keys(NS, list(range(64)))[0]
     too_long = [k.key, PAGE, 4096, [bytes([i % 256, i // 256]) * 8 for i in range(4095)]]
     assert rig.call({"op": "reserve", "ns": fp, "items": [too_long]})["code"] == p.BAD_REQUEST  # > 4 blocks
-    rig.store.min_block_bytes = PAGE // 2  # two blocks per page at most
+    rig.cache.store.min_block_bytes = PAGE // 2  # two blocks per page at most
     assert rig.call({"op": "reserve", "ns": fp, "items": [_item(k, size=1)]})["code"] == p.BAD_REQUEST
     assert rig.call({"op": "reserve", "ns": fp, "items": [_item(k, size=PAGE + 1)]})["results"][0][0] == p.RESERVED
 
@@ -81,14 +90,13 @@ def test_namespace_fields_are_bounded_before_anything_is_built(rig):
     many = {**NS.to_dict(), **{f"f{i}": 1 for i in range(20)}}
     assert rig.call({"op": "register", "namespace": many})["code"] == p.BAD_REQUEST
     assert rig.call({"op": "register", "namespace": {**NS.to_dict(), "chunk_size": 16 * 8192}})["code"] == p.BAD_REQUEST
-    assert len(rig.store.namespaces) == 1
+    assert len(rig.cache.store.namespaces) == 1
 
 
 def test_worst_frames_are_refused_fast():
     """Frames built to cost the most: each is answered in a small fraction of the 5 s client timeout
     (a register with 3 M unknown fields took 7-10 s). Measured figures: docs/protocol.md."""
-    store = ChunkStore(PagePool(64, PAGE), make_policy("lru"), Metrics())
-    h = RequestHandler(store, {"shm_name": "x", "shm_size": 64 * PAGE, "page_size": PAGE}, 64, 5.0)
+    h = _handler()
     h.handle(IDENT, msgpack.packb({"op": "hello", "id": 1, "version": p.PROTOCOL_VERSION}))
     fp = msgpack.unpackb(h.handle(IDENT, msgpack.packb({"op": "register", "id": 2, "namespace": NS.to_dict()})))["ns"]
     key = bytes(16)
@@ -115,10 +123,10 @@ def test_worst_frames_are_refused_fast():
 def test_unused_namespaces_are_forgotten(rig):
     rig.hello()
     fp_b = rig.call({"op": "register", "namespace": NS_B.to_dict()})["ns"]
-    assert fp_b in rig.store.namespaces
+    assert fp_b in rig.cache.store.namespaces
     rig.call({"op": "bye"})
-    rig.store.sweep()
-    assert not rig.store.namespaces and not rig.store.ns_usage
+    rig.holds.sweep()
+    assert not rig.cache.store.namespaces and not rig.cache.store.ns_usage
 
 
 def test_requests_before_or_after_a_failed_hello_are_not_registered(rig):
@@ -172,10 +180,11 @@ def test_commit_after_a_shrink_leaves_l1_within_budget(rig):
     fp = rig.hello()
     keys = chunk_keys(NS, list(range(64 * 40)))
     results = rig.call({"op": "reserve", "ns": fp, "items": [_item(k) for k in keys]})["results"]
-    rig.store.resize(8)  # nothing committed yet: the 40 open writes drain
-    assert rig.store.pool.used_pages == 40
+    store = rig.cache.store
+    store.resize(8)  # nothing committed yet: the 40 open writes drain
+    assert store.pool.used_pages == 40
     assert rig.call({"op": "commit", "res": [r[1] for r in results]})["committed"] == 40
-    assert rig.store.pool.used_pages <= 8
+    assert store.pool.used_pages <= 8
 
 
 @pytest.mark.parametrize("extents", [(-2, 1), (0, -1), (63, 2), (0, 1, -64, 1), (0,), (0.5, 1)])
@@ -188,7 +197,7 @@ def test_pagespan_checks_both_ends_of_every_run(extents):
 def test_index_cost_per_key_bounds_the_worst_case_per_l1_gib():
     """Server memory per index key (chunk key or alias), the figure behind docs/protocol.md's worst case:
     at most one key per MIN_BLOCK_BYTES of L1, so ~160 B a key is ~160 MiB of index per L1 GiB."""
-    store = ChunkStore(PagePool(4096, PAGE), make_policy("lirs"), Metrics())
+    store = L1Store(PagePool(4096, PAGE), make_policy("lirs"), Metrics())
     keys_per_chunk = PAGE // p.MIN_BLOCK_BYTES
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]

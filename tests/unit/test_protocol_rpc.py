@@ -7,10 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvtier.server import protocol as p
-from kvtier.server.chunk_store import ChunkStore
+from kvtier.server.cache import Cache
 from kvtier.server.eviction import make_policy
 from kvtier.server.keys import Namespace, chunk_keys
-from kvtier.server.l1_pool import PagePool
+from kvtier.server.l1.holds import Holds
+from kvtier.server.l1.pool import PagePool
+from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.server.rpc import RequestHandler
 
@@ -24,8 +26,10 @@ MALFORMED_CODES = (p.BAD_REQUEST, p.UNKNOWN_OP)
 
 
 def make_handler() -> RequestHandler:
-    store = ChunkStore(PagePool(64, 4096), make_policy("lru"), Metrics(), min_block_bytes=MIN_BLOCK_BYTES)
-    return RequestHandler(store, {"shm_name": "x", "shm_size": 64 * 4096, "page_size": 4096}, 64, 5.0)
+    metrics = Metrics()
+    store = L1Store(PagePool(64, 4096), make_policy("lru"), metrics, min_block_bytes=MIN_BLOCK_BYTES)
+    cache = Cache(store, Holds(store, metrics), metrics)
+    return RequestHandler(cache, {"shm_name": "x", "shm_size": 64 * 4096, "page_size": 4096}, 64, 5.0)
 
 
 def malformed_count(h: RequestHandler) -> float:

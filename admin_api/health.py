@@ -1,0 +1,61 @@
+"""Read-only routes: GET /healthz (readiness), /status (capacity, usage, namespaces, clients, policy) and
+/metrics (Prometheus text format). No token needed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from importlib import metadata
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+from kvtier.admin_api.deps import CacheDep, DaemonDep
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+router = APIRouter()
+
+
+def version() -> str:
+    try:
+        return metadata.version("kvtier")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@router.get("/healthz", summary="readiness: L1 mapped, L2 usable")
+async def healthz(cache: CacheDep, daemon: DaemonDep) -> JSONResponse:
+    checks = {"l1_mapped": not daemon.segment.buf.closed}
+    reasons = {"l1_mapped": "the L1 segment is not mapped"}
+    tier_checks, tier_reasons = cache.health()
+    checks.update(tier_checks)
+    reasons.update(tier_reasons)
+    ready = all(checks.values())
+    body: dict[str, Any] = {"ok": ready, "checks": checks}
+    if not ready:
+        body["reasons"] = {name: reasons[name] for name, ok in checks.items() if not ok}
+    return JSONResponse(body, status_code=200 if ready else 503)
+
+
+@router.get("/status", summary="capacity, usage, namespaces, clients and policy")
+async def status(request: Request, cache: CacheDep, daemon: DaemonDep) -> dict:
+    store, holds, l2 = cache.store, cache.holds, cache.tier("l2")
+    return {
+        "version": version(),
+        "uptime_s": round(time.monotonic() - request.app.state.started, 3),
+        "server_id": daemon.handler.server_id,
+        "endpoints": daemon.config.endpoints,
+        "policy": store.policy.name,
+        "log_level": logging.getLevelName(logging.getLogger().level).lower(),
+        "l1": {**cache.l1_status(), "shm_name": daemon.segment.name, "shm_dir": daemon.segment.directory},
+        "l2": l2.stats() if l2 is not None else {"l2_enabled": False},
+        "namespaces": cache.namespace_stats(),
+        "clients": cache.client_stats(),
+        "ttl": {"lease_s": holds.lease_ttl_s, "reservation_s": holds.reservation_ttl_s,
+                "client_timeout_s": holds.client_timeout_s},
+    }
+
+
+@router.get("/metrics", summary="Prometheus text format", response_class=Response)
+async def metrics(daemon: DaemonDep) -> Response:
+    return Response(generate_latest(daemon.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,85 @@
+"""POST /reconfigure (token required): live changes to the L1 size, the eviction policy and the log level;
+and `release_free_memory`, which gives the memory of free L1 pages back to the OS after a shrink."""
+
+from __future__ import annotations
+
+import logging
+import mmap
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException
+from kvtier.admin_api.auth import authorized
+from kvtier.admin_api.deps import CacheDep, DaemonDep
+from kvtier.admin_api.models import ReconfigureRequest
+from kvtier.server.cache import Cache
+from kvtier.server.daemon import Daemon
+from kvtier.server.eviction import make_policy
+from kvtier.server.l1.store import ResizeRefused
+from kvtier.shm.pages import extent_byte_ranges
+
+log = logging.getLogger("kvtier.admin")
+
+router = APIRouter()
+
+
+@router.post("/reconfigure", dependencies=[Depends(authorized)], summary="eviction policy, L1 size, log level")
+async def reconfigure(body: ReconfigureRequest, cache: CacheDep, daemon: DaemonDep) -> dict:
+    out: dict[str, Any] = {}
+    size = body.l1_size_bytes if body.l1_size_gb is None else int(body.l1_size_gb * (1 << 30))
+    if size is not None:
+        out["l1"] = resize_l1(cache, daemon, size, body.release_memory)
+    if body.eviction_policy is not None and body.eviction_policy != cache.store.policy.name:
+        out["eviction_policy"] = set_policy(cache, daemon, body.eviction_policy)
+    if body.log_level is not None:
+        level = body.log_level.upper()
+        logging.getLogger().setLevel(level)
+        logging.getLogger("kvtier").setLevel(level)
+        daemon.config.log_level = body.log_level
+        out["log_level"] = body.log_level
+    return out
+
+
+def resize_l1(cache: Cache, daemon: Daemon, size: int, release_memory: bool) -> dict:
+    store = cache.store
+    pool = store.pool
+    pages = size // pool.page_size
+    if not 0 < pages <= pool.segment_pages:
+        raise HTTPException(
+            422, f"L1 size must be {pool.page_size}..{pool.segment_pages * pool.page_size} bytes "
+                 "(one page up to the shared-memory segment)",
+        )
+    try:
+        result = store.resize(pages)
+    except ResizeRefused as exc:
+        raise HTTPException(409, str(exc)) from None
+    if release_memory and pages * pool.page_size < result["old_capacity_bytes"]:
+        result["released_bytes"] = release_free_memory(daemon)
+    log.info("admin: L1 resized to %d bytes (%d chunks evicted)", result["capacity_bytes"],
+             result["evicted_entries"])
+    return result
+
+
+def set_policy(cache: Cache, daemon: Daemon, name: str) -> dict:
+    store = cache.store
+    old = store.policy.name
+    moved = store.set_policy(make_policy(name))
+    daemon.config.eviction_policy = name
+    log.info("admin: eviction policy %s -> %s (%d entries)", old, name, moved)
+    return {"old": old, "new": name, "entries": moved}
+
+
+def release_free_memory(daemon: Daemon) -> int:
+    """Give the memory of every free L1 page back to the OS (MADV_REMOVE punches a hole in the tmpfs file)."""
+    pool, buf = daemon.cache.store.pool, daemon.segment.buf
+    os_page = mmap.PAGESIZE
+    released = 0
+    try:
+        for run_start, run_end in extent_byte_ranges(pool.free_extents(), pool.page_size):
+            start = -(-run_start // os_page) * os_page  # the whole OS pages inside the run
+            end = run_end // os_page * os_page
+            if end > start:
+                buf.madvise(mmap.MADV_REMOVE, start, end - start)
+                released += end - start
+    except OSError as exc:  # not fatal: the pages stay free, only their memory is not returned
+        log.warning("could not return free L1 memory to the OS: %s", exc)
+    return released

@@ -1,0 +1,124 @@
+"""kvtier's vLLM KV connector (KVConnectorBase_V1, vLLM 0.32), CPU engines.
+
+Load with ``--kv-transfer-config '{"kv_connector":"KVTierConnector",
+"kv_connector_module_path":"kvtier.connector.vllm","kv_role":"kv_both"}'``; options in docs/vllm.md.
+
+Scheduler: one lookup per new request gives the block-aligned number of prompt tokens kvtier holds
+beyond vLLM's own prefix-cache hit; the load is synchronous (the first forward of the request waits
+for a copy of a few milliseconds, far less than a prefill). Worker: loads in ``start_load_kv``; when a
+request's prompt is complete, ``wait_for_save`` stores its whole blocks (chunks kvtier already holds are
+skipped by the server without a copy). A load that comes up short is reported through
+``get_block_ids_with_load_errors`` so vLLM recomputes those blocks: a miss, never wrong KV.
+
+vLLM builds one KVTierConnector per process, with its role: the scheduler's (SchedulerSide in
+scheduler.py) or a worker's (WorkerSide in worker.py). The connector holds the one side its role owns
+and hands every method to it; meta.py holds the options and the per-step metadata both sides use,
+namespace.py the kvtier namespace both derive from the vLLM config alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.vllm.scheduler import SchedulerSide, kv_bytes_per_token
+from kvtier.connector.vllm.worker import WorkerSide, tp_rank
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+__all__ = ["ConnectorOptions", "KVTierConnector", "KVTierMetadata", "LoadSpec", "SaveSpec", "kv_bytes_per_token"]
+
+log = logging.getLogger("kvtier.connector")
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is only a future miss
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        self.options = ConnectorOptions.from_extra(extra)
+        self.block_size = vllm_config.cache_config.block_size
+        if self.options.chunk_size % self.block_size:
+            raise ValueError(f"kvtier.chunk_size {self.options.chunk_size} is not a multiple of block size "
+                             f"{self.block_size}")
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        side: ConnectorSide
+        if role == KVConnectorRole.WORKER:
+            side = self._worker = WorkerSide(vllm_config, self.options, tp_rank())
+        else:
+            side = self._scheduler = SchedulerSide(vllm_config, self.options, kv_cache_config)
+        self.side = side
+        side.client.connect()  # a miss-only start if the server is down; the client retries later
+        log.info("kvtier connector (%s) for %s at %s", role.name.lower(), vllm_config.model_config.model,
+                 self.options.url)
+
+    @property
+    def scheduler(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("kvtier connector: a scheduler-side method called on a worker's connector")
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("kvtier connector: a worker-side method called on the scheduler's connector")
+        return self._worker
+
+    # ============================== scheduler side ==============================
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request, block_ids)
+
+    # ============================== worker side ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.worker.wait_for_layer_load(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        self.worker.save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+
+    def wait_for_save(self) -> None:
+        self.worker.wait_for_save(self._get_connector_metadata())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.get_block_ids_with_load_errors()
+
+    # ============================== both sides ==============================
+
+    def shutdown(self) -> None:
+        self.side.shutdown()  # the scheduler's and each worker's client

@@ -1,0 +1,133 @@
+"""The scheduler side of the vLLM connector: one lookup per new request, and per step the loads and stores
+the workers carry out (KVTierMetadata).
+
+A lookup gives the block-aligned number of prompt tokens kvtier holds beyond vLLM's own prefix-cache hit
+(lower-tier hits slower than the engine's prefill are left out); the load is synchronous. A request's
+whole prompt blocks are stored once, in the step that computes its last prompt token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.connector")
+
+
+@dataclass
+class _Tracked:
+    """Scheduler-side state of one request."""
+
+    prompt: list[int]
+    salt: str
+    block_ids: list[int] = field(default_factory=list)
+    hit_tokens: int = 0
+    local_tokens: int = 0
+    external_tokens: int = 0
+    load_pending: bool = False
+    saved: bool = False
+
+
+class SchedulerSide(ConnectorSide):
+    def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, kv_cache_config: Any) -> None:
+        super().__init__(vllm_config, options, tp_rank=0)
+        self._requests: dict[str, _Tracked] = {}
+        # Break-even: a lower tier pays off only if it delivers a token's KV faster than prefill computes it.
+        # Every TP rank loads its share through the same server, hence the whole model's bytes.
+        self.min_load_bandwidth = (kv_bytes_per_token(kv_cache_config) * options.prefill_tokens_per_s
+                                   * vllm_config.parallel_config.tensor_parallel_size)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        prompt = list(request.prompt_token_ids or [])
+        salt = getattr(request, "cache_salt", None) or ""
+        # At least one prompt token must stay to compute, and only whole blocks load.
+        limit = (len(prompt) - 1) // self.block_size * self.block_size
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            # One lookup per request: the scheduler may ask again while the request waits for room.
+            tracked = self._requests[request.request_id] = _Tracked(prompt, salt)
+            if limit > num_computed_tokens:
+                try:
+                    found = self.client.lookup(self.namespace(salt), prompt[:limit])
+                    tracked.hit_tokens = min(found.tokens_faster_than(self.min_load_bandwidth), limit)
+                except Exception:  # a lookup the server refused is a miss: the scheduler must never fail
+                    log.exception("kvtier lookup failed for request %s", request.request_id)
+        hit = tracked.hit_tokens
+        tracked.local_tokens = num_computed_tokens
+        tracked.external_tokens = max(0, hit - num_computed_tokens)
+        return tracked.external_tokens, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        tracked = self._requests.get(request.request_id)
+        if tracked is None:
+            return
+        tracked.external_tokens = num_external_tokens
+        tracked.load_pending = num_external_tokens > 0
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
+        meta = KVTierMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._requests.get(new.req_id)
+            if tracked is None:
+                tracked = self._requests[new.req_id] = _Tracked(list(new.prompt_token_ids or []), "")
+            tracked.block_ids = list(new.block_ids[0])
+            if tracked.load_pending:
+                first = tracked.local_tokens // self.block_size
+                end = first + tracked.external_tokens // self.block_size
+                meta.loads.append(LoadSpec(new.req_id, tracked.prompt[: end * self.block_size],
+                                           tracked.block_ids[:end], first, end, tracked.salt))
+                tracked.load_pending = False
+            self._maybe_save(meta, new.req_id, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._requests.get(req_id)
+            if tracked is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                tracked.block_ids.extend(new_ids[0])
+            self._maybe_save(meta, req_id, tracked, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _maybe_save(self, meta: KVTierMetadata, req_id: str, tracked: _Tracked, computed_after: int) -> None:
+        """Store once, in the step that computes the prompt's last token."""
+        if tracked.saved or computed_after < len(tracked.prompt):
+            return
+        tracked.saved = True
+        whole = len(tracked.prompt) // self.block_size
+        # Chunks kvtier just served, or that vLLM's own cache held (this instance computed and offered
+        # them before), are not offered again: that saves a store round trip on every cache hit, at the
+        # price of not re-offering a prefix kvtier has evicted while vLLM still caches it.
+        chunk = self.options.chunk_size
+        skip = max(tracked.hit_tokens, tracked.local_tokens) // chunk
+        if whole and len(tracked.block_ids) >= whole and skip * chunk < whole * self.block_size:
+            meta.saves.append(SaveSpec(req_id, tracked.prompt[: whole * self.block_size],
+                                       tracked.block_ids[:whole], tracked.salt, skip))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._requests.pop(request.request_id, None)
+        return False, None
+
+
+def kv_bytes_per_token(kv_cache_config: Any) -> float:
+    """KV bytes one token takes in this rank's layers (0.0 when the config does not say: never skip)."""
+    total = 0.0
+    for group in getattr(kv_cache_config, "kv_cache_groups", None) or ():
+        spec = group.kv_cache_spec
+        try:
+            total += len(group.layer_names) * spec.page_size_bytes / spec.block_size
+        except (AttributeError, NotImplementedError, ZeroDivisionError):
+            return 0.0
+    return total

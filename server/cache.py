@@ -1,0 +1,267 @@
+"""Cache: the one facade rpc.py and the admin API call, with or without lower tiers.
+
+Where a lookup is decided: `Cache.lookup` asks L1 (l1/store.py) for the longest stored prefix, then each
+lower tier in order (`LowerTier.find_prefix`, non-blocking) for the chunks after it, starting their
+promotion into L1 (tiers/promotion.py); a hit reports its tier. `acquire` waits for promotions of the chunks
+it leases. Each chunk L1 commits is handed to every lower tier's write-behind. `status` is the one summary
+the `stats` op, `/status` and `kvtier status` show.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.server.keys import chunk_keys
+from kvtier.server.l1.holds import AcquiredChunk, ClientState, Holds
+from kvtier.server.l1.store import Entry, L1Store
+from kvtier.server.metrics import L1, Metrics
+from kvtier.server.tiers.attached import AttachedTier
+
+Acquired = tuple[int, list[AcquiredChunk | None]]
+
+
+def continues(match: int, block_keys: Sequence[bytes], blocks_per_chunk: int) -> bool:
+    """Whether a prefix that matched `match` leading blocks of this chunk goes on into the next chunk."""
+    return match >= blocks_per_chunk and match >= len(block_keys)
+
+
+@dataclass
+class Found:
+    """A lookup's answer: per chunk of the longest stored prefix its entry (a lower-tier hit's may still be
+    in flight) and matched blocks, and the tier it was found in."""
+
+    hits: list[tuple[Entry, int]]
+    tiers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Cleared:
+    """What a clear removed, per tier: {"entries", "bytes"} (and "failed" for a lower tier)."""
+
+    tiers: dict[str, dict[str, int]]
+    unknown: bool  # the namespace is not registered and no lower tier searched had a chunk of it
+
+
+class Cache:
+    def __init__(self, store: L1Store, holds: Holds, metrics: Metrics, tiers: Sequence[AttachedTier] = ()) -> None:
+        self.store = store
+        self.holds = holds
+        self.metrics = metrics
+        self.tiers = list(tiers)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        for tier in self.tiers:
+            tier.open()
+
+    def attach_loop(self, loop: Any) -> None:
+        for tier in self.tiers:
+            tier.attach_loop(loop)
+
+    def close(self, timeout: float = 5.0) -> None:
+        for tier in self.tiers:
+            tier.close(timeout)
+        self.store.update_gauges()
+
+    def tier(self, name: str) -> AttachedTier | None:
+        return next((t for t in self.tiers if t.name == name), None)
+
+    # -- lookup ----------------------------------------------------------------------------------
+
+    def lookup(self, fp: bytes, chunks: list[list[bytes]]) -> Found:
+        found = Found(self.store.lookup(fp, chunks))
+        found.tiers = [L1] * len(found.hits)
+        ns = self.store.namespaces.get(fp)
+        for tier in self.tiers:
+            if ns is None or len(found.hits) >= len(chunks) or tier.promotions.fenced(fp):
+                break
+            if found.hits and not continues(found.hits[-1][1], chunks[len(found.hits) - 1], ns.blocks_per_chunk):
+                break  # the prefix ended inside a chunk
+            before = len(found.hits)
+            self._extend(tier, fp, chunks, found, ns.blocks_per_chunk, ns.block_size)
+            if len(found.hits) == before:
+                break
+        return found
+
+    def _extend(self, tier: AttachedTier, fp: bytes, chunks: list[list[bytes]], found: Found, bpc: int,
+                block_size: int) -> None:
+        """Continue the prefix with `tier`'s chunks, starting their promotion; what is found so far is held
+        meanwhile, so room made for promotions cannot evict it."""
+        store, promotions = self.store, tier.promotions
+        rest = chunks[len(found.hits):]
+        records = tier.tier.find_prefix(rest) or []
+        held = [entry for entry, _ in found.hits]
+        for entry in held:
+            store.hold(entry)
+        blocks = {L1: 0, tier.name: 0}
+        try:
+            for (meta, match), block_keys in zip(records, rest, strict=False):
+                if meta.ns != fp:
+                    break
+                where, promo = tier.name, promotions.get(meta.key)
+                if promo is not None:
+                    entry = promo.entry
+                elif meta.key in store.entries:  # promoted meanwhile (reads finish in any order)
+                    entry, where = store.entries[meta.key], L1
+                elif meta.key in store.busy:  # a client is storing it
+                    break
+                else:
+                    promo = promotions.start(meta)
+                    if promo is None or promo.ok is False:
+                        break
+                    entry = promo.entry
+                if store.entries.get(entry.key) is entry:  # indexed: hold it like the prefix before it
+                    store.hold(entry)
+                    held.append(entry)
+                found.hits.append((entry, match))
+                found.tiers.append(where)
+                blocks[where] += match
+                if not continues(match, block_keys, bpc):
+                    break
+        finally:
+            for entry in held:
+                store.unhold(entry)
+            store.update_gauges()
+        for name, n in blocks.items():
+            if n:
+                self.metrics.hit_tokens.labels(name).inc(n * block_size)
+
+    def bandwidths(self) -> dict[str, float]:
+        """Measured read bandwidth per lower tier, bytes/s (0.0: not measured yet), for lookup replies."""
+        return {t.name: t.read_bw.bytes_per_s for t in self.tiers}
+
+    # -- store and read --------------------------------------------------------------------------
+
+    def commit(self, owner: ClientState, rids: Iterable[int]) -> int:
+        return self.holds.commit(owner, rids, self._committed if self.tiers else None)
+
+    def _committed(self, entry: Entry) -> None:
+        for tier in self.tiers:
+            tier.write_behind(entry)
+
+    def acquire(self, ident: bytes, fp: bytes, keys: list[bytes]) -> Acquired | Awaitable[Acquired]:
+        """Lease `keys`; an awaitable of the lease while any of them is still being promoted from a lower
+        tier (a promotion that fails leaves a miss, None, for its key)."""
+        owner = self.holds.client(ident)
+        for tier in self.tiers:
+            waits = tier.promotions.waits(keys)
+            if waits is not None:
+                return self._acquire_later(ident, fp, keys, waits)
+        return self.holds.acquire(owner, fp, keys)
+
+    async def _acquire_later(self, ident: bytes, fp: bytes, keys: list[bytes], waits: Awaitable[Any]) -> Acquired:
+        await waits
+        leased = self.acquire(ident, fp, keys)  # not_registered if the client was dropped meanwhile
+        return leased if isinstance(leased, tuple) else await leased
+
+    # -- admin -----------------------------------------------------------------------------------
+
+    async def clear(self, fp: bytes | None, l1: bool = True, lower: Iterable[str] | None = None) -> Cleared:
+        """Remove every chunk (of namespace `fp`) from L1 (if `l1`) and from the lower tiers named in
+        `lower` (None: all of them)."""
+        registered = fp is None or fp in self.store.namespaces
+        done: dict[str, dict[str, int]] = {}
+        if l1:
+            n, b = self.store.clear(fp) if registered else (0, 0)
+            done[L1] = {"entries": n, "bytes": b}
+        below = [t for t in self.tiers if lower is None or t.name in lower]
+        for tier in below:
+            c = await tier.clear(fp)
+            # `failed`: chunks it could not remove (forgotten all the same: never served again)
+            done[tier.name] = {"entries": c.entries, "bytes": c.nbytes, "failed": c.failed}
+        found_below = sum(done[t.name]["entries"] for t in below)
+        return Cleared(done, not registered and bool(below) and found_below == 0)
+
+    def health(self) -> tuple[dict[str, bool], dict[str, str]]:
+        checks: dict[str, bool] = {}
+        reasons: dict[str, str] = {}
+        for tier in self.tiers:
+            checks[tier.name], reasons[tier.name] = tier.health()
+        return checks, reasons
+
+    # -- status ----------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        """The flat summary of the `stats` op (docs/protocol.md); `/status` nests the same facts."""
+        store, holds, ps = self.store, self.holds, self.store.pool.page_size
+        out = {
+            "l1_capacity_bytes": store.pool.num_pages * ps,
+            "l1_used_bytes": store.pool.used_pages * ps,
+            "l1_free_pages": store.pool.free_pages,
+            "l1_backed_bytes": store.backed_bytes,
+            "l1_prefault": store.prefault,
+            "page_size": ps,
+            "entries": len(store.entries),
+            "index_keys": len(store.index),
+            "reservations": len(holds.reservations),
+            "leases": len(holds.leases),
+            "clients": len(holds.clients),
+            "held_back_bytes": sum(holds.held_back().values()) * ps,
+            "evictable_bytes": store.evictable_pages * ps,
+            "pinned_bytes": store.pinned_pages * ps,
+            "policy": store.policy.name,
+            "evictions": _total(self.metrics.evictions),
+            "malformed": _total(self.metrics.malformed),
+        }
+        for tier in self.tiers:
+            out.update(tier.stats())
+        return out
+
+    def l1_status(self) -> dict:
+        """L1's part of `/status`."""
+        store, holds, pool = self.store, self.holds, self.store.pool
+        ps = pool.page_size
+        return {
+            "capacity_bytes": pool.num_pages * ps,
+            "segment_bytes": pool.segment_pages * ps,
+            "used_bytes": pool.used_pages * ps,
+            "free_bytes": max(0, pool.free_pages) * ps,
+            "page_size": ps,
+            "entries": len(store.entries),
+            "pinned_bytes": store.pinned_pages * ps,
+            "evictable_bytes": store.evictable_pages * ps,
+            "held_bytes": store.held_pages() * ps,
+            "reserved_bytes": holds.reserved_pages() * ps,
+            "leases": len(holds.leases),
+            "reservations": len(holds.reservations),
+        }
+
+    def namespace_stats(self) -> list[dict]:
+        """Per registered namespace: its fingerprint, identity and usage (entries, bytes, pinned bytes)."""
+        store = self.store
+        pinned: dict[bytes, int] = {}
+        for e in store.entries.values():
+            if e.pins:
+                pinned[e.ns] = pinned.get(e.ns, 0) + e.size
+        out = []
+        for fp, ns in store.namespaces.items():
+            entries, nbytes = store.ns_usage.get(fp, (0, 0))
+            out.append({"fingerprint": fp.hex(), **ns.to_dict(), "entries": entries, "bytes": nbytes,
+                        "pinned_bytes": pinned.get(fp, 0)})
+        return out
+
+    def client_stats(self) -> list[dict]:
+        """Registered clients, then retired ones that still hold pages back (state "retired")."""
+        holds = self.holds
+        now, ps = holds.clock(), self.store.pool.page_size
+        held = holds.held_back()
+        return [
+            {"instance": c.instance, "pid": c.pid, "state": state, "last_seen_s_ago": round(now - c.last_seen, 3),
+             "leases": len(c.leases), "reservations": len(c.reservations),
+             "held_back_bytes": held.get(id(c), 0) * ps}
+            for state, clients in (("registered", holds.clients.values()), ("retired", holds.retired.values()))
+            for c in clients
+        ]
+
+    def prefix_keys(self, fp: bytes, token_ids: Sequence[int]) -> list[bytes]:
+        """The key of every full and partial chunk of a token prefix (ValueError for bad token ids)."""
+        return [c.key for c in chunk_keys(self.store.namespace(fp), token_ids)]
+
+
+def _total(counter: Any) -> int:
+    """A counter's value summed over all its label children."""
+    return int(sum(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total")))
+

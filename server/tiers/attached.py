@@ -1,0 +1,163 @@
+"""A lower tier as the cache runs it: write-behind from L1, promotions into L1, clears, meters, health.
+
+Write-behind: `write_behind` (called for each chunk L1 commits) holds a reader on the new entry and queues
+it; the writer checksums the bytes in the L1 pages and writes them straight from there, then the reader is
+released on the serving loop (`call_soon_threadsafe`). A full queue drops the lower-tier copy (counted).
+Bandwidth: promotions' reads and the writer's puts feed a `BandwidthMeter` each, reported in the status, as
+gauges and in lookup replies with lower-tier hits, so a client can skip a tier slower than recomputing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from kvtier.server.l1.store import Entry, L1Store
+from kvtier.server.metrics import L2Metrics, Metrics
+from kvtier.server.tiers.bandwidth import BandwidthMeter
+from kvtier.server.tiers.base import Cleared, LowerTier
+from kvtier.server.tiers.promotion import PROMOTE_THREADS, Promotions
+from kvtier.server.tiers.record import ChunkMeta
+from kvtier.server.tiers.writer import L2Writer, WriteJob
+from kvtier.shm.pages import extent_views
+
+log = logging.getLogger("kvtier.server.tiers")
+
+
+class _TimedPuts:
+    """The tier as the writer sees it: each successful put is timed into the write meter."""
+
+    def __init__(self, tier: LowerTier, meter: BandwidthMeter) -> None:
+        self._tier = tier
+        self._meter = meter
+
+    def put(self, meta: ChunkMeta, payload: Any, keep: Callable[[], bool] | None = None) -> bool:
+        start = time.perf_counter()
+        ok = self._tier.put(meta, payload, keep)
+        if ok:
+            self._meter.add(meta.size, start, time.perf_counter())
+        return ok
+
+    def __getattr__(self, name: str) -> Any:  # prepare(), sync() and anything else the writer uses
+        return getattr(self._tier, name)
+
+
+class AttachedTier:
+    def __init__(self, store: L1Store, segment: np.ndarray, tier: LowerTier, queue_depth: int, metrics: Metrics,
+                 m: L2Metrics, max_promoting_bytes: int | None = None) -> None:
+        self.store = store
+        self.segment = segment
+        self.tier = tier
+        self.name = tier.name
+        self.m = m
+        self.read_bw = BandwidthMeter()
+        self.write_bw = BandwidthMeter()
+        self.writer = L2Writer(_TimedPuts(tier, self.write_bw), queue_depth,  # type: ignore[arg-type]
+                               on_drop=m.dropped.inc)
+        self.promotions = Promotions(store, segment, tier, m, self.read_bw, max_promoting_bytes)
+        self.clear_failures = 0
+        self._call_soon: Callable[..., Any] = lambda fn, *a: fn(*a)
+        m.used.set_function(lambda: tier.used_bytes)
+        m.capacity.set_function(lambda: tier.capacity_bytes)
+        m.queue_depth.set_function(lambda: self.writer.queue_depth)
+        m.written.set_function(lambda: getattr(tier, "written", 0))
+        m.promoting_bytes.set_function(lambda: self.promotions.promoting_pages * store.pool.page_size)
+        metrics.tier_read_bw.labels(self.name).set_function(lambda: self.read_bw.bytes_per_s)
+        metrics.tier_write_bw.labels(self.name).set_function(lambda: self.write_bw.bytes_per_s)
+        metrics.entries.labels(self.name).set_function(lambda: tier.entries)
+        metrics.hit_tokens.labels(self.name)
+        metrics.evictions.labels(self.name, "capacity")
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Scan the tier (blocking; before serving) and start the writer."""
+        self.tier.scan()
+        self.writer.start()
+        log.info("%s tier at %s: %d chunks, %.2f of %.2f GiB", self.name, getattr(self.tier, "path", "?"),
+                 self.tier.entries, self.tier.used_bytes / (1 << 30), self.tier.capacity_bytes / (1 << 30))
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve from `loop`: writer callbacks and promotion completions run on it, reads on threads."""
+        self._call_soon = loop.call_soon_threadsafe
+        self.promotions.attach_loop(loop)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the promotion threads and the writer; promotions not committed give their pages back."""
+        self.promotions.close(timeout)
+        self.writer.stop(timeout)
+
+    # -- write-behind ----------------------------------------------------------------------------
+
+    def write_behind(self, entry: Entry) -> None:
+        if self.tier.contains(entry.key):
+            return
+        meta = ChunkMeta(entry.key, entry.ns, entry.blocks, entry.aliases, entry.size)
+        self.store.hold(entry)
+        page_size = self.store.pool.page_size
+        job = WriteJob(meta, lambda: extent_views(self.segment, entry.extents, page_size, entry.size),
+                       lambda: self._call_soon(self._written, entry))
+        if not self.writer.submit(job):
+            self.store.unhold(entry)
+
+    def _written(self, entry: Entry) -> None:
+        self.store.unhold(entry)
+        self.store.update_gauges()
+
+    # -- clear, health, reporting ----------------------------------------------------------------
+
+    async def clear(self, ns: bytes | None = None) -> Cleared:
+        """Admin cache clear of the tier (every chunk, or namespace `ns`'s): (chunks, bytes) removed, and
+        `failed`, those that could not be (forgotten all the same: never served again).
+
+        On the loop, first: writes still queued (of that namespace) are dropped and promotions in flight
+        will give their pages back instead of entering L1; until the chunks are gone (on a thread), lookups
+        of that namespace start no promotions. Nothing stored before the clear is found after it, whatever
+        the caller clears in L1 in the same loop step.
+        """
+        self.writer.invalidate(ns)
+        with self.promotions.clearing(ns):
+            cleared = await asyncio.to_thread(self.tier.clear, ns)
+        if cleared.failed:
+            self.clear_failures += cleared.failed
+            self.m.clear_failures.inc(cleared.failed)
+        return cleared
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, why not) for /healthz: the writer's threads run, the tier takes writes, and not every
+        promotion thread is stuck in a hung read."""
+        if not self.writer.alive:
+            return False, f"the {self.name} writer's threads stopped"
+        if self.promotions.stuck >= PROMOTE_THREADS:
+            return False, f"all {PROMOTE_THREADS} {self.name} promotion threads are stuck in reads past their deadline"
+        return self.tier.health()
+
+    def stats(self) -> dict:
+        t, promos = self.tier, self.promotions
+        return {
+            "l2_enabled": True,
+            "l2_entries": t.entries,
+            "l2_used_bytes": t.used_bytes,
+            "l2_capacity_bytes": t.capacity_bytes,
+            "l2_odirect": getattr(t, "odirect_active", False),  # O_DIRECT asked for and taken by the directory
+            "l2_queue_depth": self.writer.queue_depth,
+            "l2_inflight": self.writer.inflight,
+            "l2_written": getattr(t, "written", self.writer.done),
+            "l2_dropped_writes": self.writer.dropped,
+            "l2_cleared_writes": self.writer.stale,
+            "l2_corrupt_chunks": getattr(t, "corrupt", 0),
+            "l2_evictions": getattr(t, "evicted", 0),
+            "l2_promoted": promos.promoted,
+            "l2_promoting": promos.in_flight,
+            "l2_promoting_bytes": promos.promoting_pages * self.store.pool.page_size,
+            "l2_promotion_failures": promos.failures,
+            "l2_promotions_expired": promos.expired,
+            "l2_promotions_stuck": promos.stuck,
+            "l2_clear_failures": self.clear_failures,
+            "l2_read_bytes_per_s": self.read_bw.bytes_per_s,
+            "l2_write_bytes_per_s": self.write_bw.bytes_per_s,
+        }

@@ -1,0 +1,107 @@
+"""The `LowerTier` contract: a chunk store below L1 (the filesystem tier, fs.py; a remote Redis tier later),
+keyed by chunk key, whose values are records (record.py: `ChunkMeta` and the payload bytes).
+
+Threads. Each method is called from one kind of thread, and several at once:
+
+* the serving loop (one thread, the asyncio loop): `find_prefix`, `contains`, `remove`, and the accounting
+  properties (`used_bytes`, `capacity_bytes`, `entries`) and `health` for status and metrics;
+* the write-behind threads (server/tiers/writer.py: one prepare stage, several I/O threads): `prepare`,
+  `put`, `sync`;
+* the promotion threads (several): `get`;
+* a worker thread (`asyncio.to_thread`, an admin cache clear): `clear`;
+* before serving, on the starting thread: `scan`.
+
+So every implementation must be thread-safe accordingly: its index may change under a lookup (puts land,
+promotions drop corrupt chunks, a clear runs), and the loop's calls must never block on I/O: `find_prefix`
+and `contains` answer from memory; an asynchronous tier answers "not known yet" (`None`) rather than wait.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtier.server.tiers.record import ChunkMeta
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """What a clear did: the chunks and file bytes it removed, and `failed`, the files it could not remove
+    (a directory in a chunk file's place). The index forgot those too, and a start-up scan never indexes
+    what is not a regular file, so none of them is served again."""
+
+    entries: int
+    nbytes: int
+    failed: int = 0
+
+
+class LowerTier(ABC):
+    """A chunk store below L1, keyed by chunk key; values are (metadata, payload bytes)."""
+
+    name: str  # the tier's label in lookups' replies and metrics ("l2")
+
+    def prepare(self, meta: ChunkMeta, sources: Sequence):  # noqa: ANN201 - whatever `put` takes
+        """Writer thread: do the CPU work of a put of a chunk held in `sources` (its buffers, in order; they
+        stay valid until the put returns) that can overlap earlier puts' I/O; the result is passed to `put`.
+        Default: the bytes joined."""
+        del meta
+        return b"".join(sources)
+
+    @abstractmethod
+    def put(self, meta: ChunkMeta, payload, keep: Callable[[], bool] | None = None) -> bool:
+        """Writer thread: store a chunk (False when it exists or cannot fit). May evict older chunks. `keep`,
+        when given, is asked once the chunk is stored and before any lookup can find it: False drops it
+        again."""
+
+    @abstractmethod
+    def get(self, meta: ChunkMeta, bufs: Sequence[memoryview]) -> bool:
+        """Promotion thread: read a chunk's verified payload into `bufs`; False (and the chunk dropped) if
+        missing or corrupt."""
+
+    @abstractmethod
+    def contains(self, key: bytes) -> bool:
+        """Serving loop, non-blocking: whether the tier holds chunk `key` (as far as it knows now)."""
+
+    @abstractmethod
+    def find_prefix(self, chunks: Sequence[Sequence[bytes]]) -> list[tuple[ChunkMeta, int]] | None:
+        """Serving loop, non-blocking (from memory, no I/O): the longest run of consecutive `chunks` (each
+        the list of its block-prefix keys, as in a lookup) this tier holds, from the first one, each as (the
+        stored chunk holding the longest leading run of its keys, that run's length). The run stops at the
+        first chunk not held and after the first partial match (a length under len(chunk)). Records of
+        any namespace are returned: the caller checks `meta.ns`.
+
+        None means "not known yet" (an asynchronous tier still asking its server): the caller treats it as
+        no hit now."""
+
+    @abstractmethod
+    def remove(self, key: bytes, reason: str = "removed") -> bool:
+        """Serving loop: forget chunk `key` and delete its copy; whether it was held."""
+
+    @abstractmethod
+    def clear(self, ns: bytes | None = None) -> Cleared:
+        """Worker thread: remove every chunk, or those of namespace fingerprint `ns`, going on past what
+        cannot be removed; none of them is found again, removed or not."""
+
+    @abstractmethod
+    def scan(self) -> int:
+        """Before serving: rebuild the index from what the tier holds; returns the chunks found."""
+
+    def sync(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """Writer thread: make completed puts durable (no-op where puts are durable already)."""
+
+    def health(self) -> tuple[bool, str]:
+        """(ok, why not): whether the tier can take writes now. Default: always."""
+        return True, ""
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def entries(self) -> int: ...
