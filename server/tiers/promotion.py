@@ -226,8 +226,8 @@ class Promotions:
     def _read(self, promo: Promotion) -> tuple[bool, float, float]:
         """Worker thread: read and verify the chunk into the promotion's pages; (ok, start, end)."""
         start = time.perf_counter()
-        views = extent_views(self.segment, promo.entry.extents, self.store.pool.page_size, promo.meta.size)
         try:
+            views = extent_views(self.segment, promo.entry.extents, self.store.pool.page_size, promo.meta.size)
             ok = self.tier.get(promo.meta, views)
         except Exception:
             log.exception("promotion of %s from %s failed", promo.meta.key.hex(), self.tier.name)
