@@ -440,7 +440,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--gap", type=float, default=0.3, help="pause after each request (s)")
     ap.add_argument("--zipf-gap", type=float, default=0.1)
-    ap.add_argument("--plot", default=str(REPO / "docs" / "plots" / "vllm_ttft.png"))
+    ap.add_argument("--plot", default=str(REPO / "docs" / "plots" / "vllm_ttft.png"), help='PNG path ("": none)')
     args = ap.parse_args()
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.docs_per_length = args.docs_per_length or (1 if args.quick else 2)
@@ -510,7 +510,7 @@ def main() -> int:
     for cfg, why in failures.items():
         print(f"FAILED {cfg}: {why[:2000]}")
     print(f"json: {json_path}")
-    if summary:
+    if summary and args.plot:  # --plot "" skips the plot
         cands = [
             Path(sys.executable),
             vllm_py,
