@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from kvtier.server.keys import chunk_keys
@@ -73,21 +74,40 @@ class Cache:
 
     def lookup(self, fp: bytes, chunks: list[list[bytes]]) -> Found:
         found = Found(self.store.lookup(fp, chunks))
-        found.tiers = [L1] * len(found.hits)
-        ns = self.store.namespaces.get(fp)
+        in_l1 = len(found.hits)
+        found.tiers = [L1] * in_l1
+        ns = self.store.namespace(fp)
         for tier in self.tiers:
-            if ns is None or len(found.hits) >= len(chunks) or tier.promotions.fenced(fp):
+            if len(found.hits) >= len(chunks) or tier.promotions.fenced(fp):
                 break
             if found.hits and not continues(found.hits[-1][1], chunks[len(found.hits) - 1], ns.blocks_per_chunk):
                 break  # the prefix ended inside a chunk
             before = len(found.hits)
-            self._extend(tier, fp, chunks, found, ns.blocks_per_chunk, ns.block_size)
+            self._extend(tier, fp, chunks, found, ns.blocks_per_chunk)
             if len(found.hits) == before:
                 break
+        self._count(found, chunks, ns.block_size, all_l1=len(found.hits) == in_l1)
         return found
 
-    def _extend(self, tier: AttachedTier, fp: bytes, chunks: list[list[bytes]], found: Found, bpc: int,
-                block_size: int) -> None:
+    def _count(self, found: Found, chunks: list[list[bytes]], block_size: int, all_l1: bool) -> None:
+        """The lookup's metrics: requested blocks and tokens, hit tokens by the tier that had them."""
+        m = self.metrics
+        requested = sum(map(len, chunks))
+        m.lookups.inc()
+        m.requested_blocks.inc(requested)
+        m.requested_tokens.inc(requested * block_size)
+        if not found.hits:
+            return
+        if all_l1:  # the common case: one sum
+            m.hit_tokens.labels(L1).inc(sum(map(itemgetter(1), found.hits)) * block_size)
+            return
+        per_tier: dict[str, int] = {}
+        for (_, match), tier in zip(found.hits, found.tiers, strict=True):
+            per_tier[tier] = per_tier.get(tier, 0) + match
+        for tier, blocks in per_tier.items():
+            m.hit_tokens.labels(tier).inc(blocks * block_size)
+
+    def _extend(self, tier: AttachedTier, fp: bytes, chunks: list[list[bytes]], found: Found, bpc: int) -> None:
         """Continue the prefix with `tier`'s chunks, starting their promotion; what is found so far is held
         meanwhile, so room made for promotions cannot evict it."""
         store, promotions = self.store, tier.promotions
@@ -96,7 +116,6 @@ class Cache:
         held = [entry for entry, _ in found.hits]
         for entry in held:
             store.hold(entry)
-        blocks = {L1: 0, tier.name: 0}
         try:
             for (meta, match), block_keys in zip(records, rest, strict=False):
                 if meta.ns != fp:
@@ -118,16 +137,12 @@ class Cache:
                     held.append(entry)
                 found.hits.append((entry, match))
                 found.tiers.append(where)
-                blocks[where] += match
                 if not continues(match, block_keys, bpc):
                     break
         finally:
             for entry in held:
                 store.unhold(entry)
             store.update_gauges()
-        for name, n in blocks.items():
-            if n:
-                self.metrics.hit_tokens.labels(name).inc(n * block_size)
 
     def bandwidths(self) -> dict[str, float]:
         """Measured read bandwidth per lower tier, bytes/s (0.0: not measured yet), for lookup replies."""

@@ -70,10 +70,6 @@ class L1Store:
         self.backed_bytes = 0  # of the segment, known to have memory behind it (the daemon's prefault)
         self.prefault = "off"  # the daemon's L1 prefault: off, running, done or failed
         self._touch_backlog: list[list[tuple[Entry, int]]] = []
-        self._m_lookups = metrics.lookups
-        self._m_requested_blocks = metrics.requested_blocks
-        self._m_requested_tokens = metrics.requested_tokens
-        self._m_hit_tokens_l1 = metrics.hit_tokens.labels(L1)
         metrics.l1_capacity.set(pool.num_pages * pool.page_size)
 
     # -- namespaces ------------------------------------------------------------------------------
@@ -133,12 +129,6 @@ class L1Store:
             self._touch_backlog.append(hits)
             if len(self._touch_backlog) > TOUCH_BACKLOG_MAX:  # nobody flushed (no serving loop): bound it
                 self.flush_touches()
-        requested = sum(lengths)
-        self._m_lookups.inc()
-        self._m_requested_blocks.inc(requested)
-        self._m_requested_tokens.inc(requested * ns.block_size)
-        if hits:
-            self._m_hit_tokens_l1.inc(sum(map(itemgetter(1), hits)) * ns.block_size)
         return hits
 
     def flush_touches(self) -> None:
