@@ -195,3 +195,34 @@ def test_l2_metrics_are_exported(tmp_path):
         assert name in text, name
     assert metrics.registry.get_sample_value("kvtier_l2_capacity_bytes") == 10 * meta(0).file_bytes
     l1.close()
+
+
+def test_a_lookup_goes_on_from_one_lower_tier_into_the_next(tmp_path):
+    """Tiers are asked in order: the prefix continues in the second tier where the first one's run ends,
+    each hit reports its tier, and every promoted chunk is read bit-exact into L1."""
+
+    class Third(FsTier):
+        name = "l3"
+
+    fp = NS.fingerprint()
+    chunks = chunk_keys(NS, list(range(3 * 256)))
+    first, second = FsTier(str(tmp_path / "a"), 1 << 30), Third(str(tmp_path / "b"), 1 << 30)
+    for c in chunks:
+        tier = first if c.index == 0 else second
+        assert tier.put(ChunkMeta(c.key, fp, len(c.block_keys), c.aliases, 2000), payload(c.index, 2000))
+    l1 = L1()
+    for tier, metrics in ((first, l1.metrics), (second, Metrics())):  # kvtier_l2_* gauges: one set per registry
+        l1.attach(AttachedTier(l1.store, l1.segment, type(tier)(tier.path, 1 << 30), 16, l1.metrics,
+                               L2Metrics(metrics)))
+    try:
+        l1.holds.register(NS)
+        found = l1.cache.lookup(fp, [list(c.block_keys) for c in chunks])
+        assert found.tiers == ["l2", "l3", "l3"] and [m for _, m in found.hits] == [4, 4, 4]
+        for c, (entry, _) in zip(chunks, found.hits, strict=True):
+            got = np.concatenate([l1.segment[entry.extents[i] * PAGE:(entry.extents[i] + entry.extents[i + 1]) * PAGE]
+                                  for i in range(0, len(entry.extents), 2)])[:2000]
+            assert got.tobytes() == payload(c.index, 2000)
+        assert l1.metrics.hit_tokens.labels("l3")._value.get() == 2 * 4 * NS.block_size
+        assert l1.metrics.hit_tokens.labels("l2")._value.get() == 4 * NS.block_size
+    finally:
+        l1.close()
