@@ -4,9 +4,9 @@ Per read, as the vLLM connector (connector/vllm/) does with its prefix cache res
 last prompt token (the server's lookup stops at the first missing chunk and touches the hit prefix); then
 store the prompt's whole blocks from the first chunk the hit did not cover (chunks that exist answer
 "exists" and are touched, the others are reserved, making room through the policy, and committed). The
-server side is L1 itself in this process (`L1Store` and `Holds` over a page pool without a segment: only
-bookkeeping), so the replay sees exactly the server's lookup, index, page and eviction rules; tests/integration/
-test_replay_vs_server.py drives the same connector steps through a real server and gets the same hits.
+server side is the server's own `Cache` over L1 in this process (`L1Store` and `Holds` over a page pool
+without a segment: only bookkeeping), so the replay sees exactly the server's lookup, index, page and
+eviction rules; tests/integration/test_replay_vs_server.py drives the same connector steps through a real server and gets the same hits.
 
 Belady's optimum is a clairvoyant policy under the same rules: the victim is the chunk whose next use
 (the next read whose lookup reaches the chunk's first block) is furthest away, and a chunk is not admitted
@@ -23,6 +23,7 @@ from typing import Protocol
 
 from kvtier.server import protocol as p
 from kvtier.server.bench.trace_workloads import Geometry, Trace, chunks_of, key_position
+from kvtier.server.cache import Cache
 from kvtier.server.eviction import EvictionPolicy, make_policy
 from kvtier.server.keys import ChunkKeys, Namespace
 from kvtier.server.l1.holds import ClientState, Holds
@@ -48,12 +49,14 @@ def replay_namespace(geometry: Geometry) -> Namespace:
 
 
 class InProcessServer:
-    """L1 of `capacity` pages, one registered client per engine, called as rpc.py calls it."""
+    """The server's `Cache` over an L1 of `capacity` pages (no lower tier), one registered client per engine,
+    called as rpc.py calls it."""
 
     def __init__(self, policy: EvictionPolicy, capacity: int, geometry: Geometry) -> None:
         metrics = Metrics()
         self.l1 = L1Store(PagePool(capacity, geometry.page_bytes), policy, metrics)
         self.holds = Holds(self.l1, metrics)
+        self.cache = Cache(self.l1, self.holds, metrics)
         self.ns = replay_namespace(geometry)
         self.fp = self.holds.register(self.ns)
 
@@ -66,15 +69,15 @@ class InProcessServer:
 
     def lookup(self, engine: int, chunks: Sequence[ChunkKeys]) -> list[int]:
         self._owner(engine)
-        hits = self.l1.lookup(self.fp, [list(c.block_keys) for c in chunks])
+        found = self.cache.lookup(self.fp, [list(c.block_keys) for c in chunks])
         self.l1.flush_touches()  # as the serving loop does right after the reply
-        return [match for _, match in hits]
+        return [match for _, match in found.hits]
 
     def store(self, engine: int, chunks: Sequence[ChunkKeys], sizes: Sequence[int]) -> None:
         owner = self._owner(engine)
         items = [p.StoreItem(c.key, size, len(c.block_keys), c.aliases) for c, size in zip(chunks, sizes, strict=True)]
         results = self.holds.reserve(owner, self.fp, items)
-        self.holds.commit(owner, [r[1] for r in results if r[0] == p.RESERVED])
+        self.cache.commit(owner, [r[1] for r in results if r[0] == p.RESERVED])
 
 
 @dataclass
