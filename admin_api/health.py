@@ -51,6 +51,7 @@ async def status(request: Request, cache: CacheDep, daemon: DaemonDep) -> dict:
         "l2": l2.stats() if l2 is not None else {"l2_enabled": False},
         "namespaces": cache.namespace_stats(),
         "clients": cache.client_stats(),
+        "gpu": daemon.gpu.status(),
         "ttl": {"lease_s": holds.lease_ttl_s, "reservation_s": holds.reservation_ttl_s,
                 "client_timeout_s": holds.client_timeout_s},
     }

@@ -49,6 +49,13 @@ class ServerConfig:
     l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (aligned buffers; buffered if the filesystem refuses it)")
     l2_queue_depth: int = _opt(1024, "chunks the L2 write-behind queue holds before L2 copies are dropped")
     l2_eviction_policy: str = _opt("lru", "eviction policy of the L2 tier", choices=sorted(POLICIES))
+    gpu_pin_piece_mb: int = _opt(256, "GPU engines: L1 is page-locked (cudaHostRegister) in pieces of this many "
+                                      "MiB; no DMA entry crosses a piece")
+    gpu_op_timeout_s: float = _opt(10.0, "GPU engines: seconds a copy may take (event wait included) before its "
+                                         "copier counts as hung and is restarted")
+    gpu_watchdog_s: float = _opt(5.0, "GPU engines: seconds without a copier heartbeat before it is restarted")
+    gpu_fake_engine: bool = _opt(False, "accept registrations of the CPU stand-in GPU engine (tests only: it "
+                                        "copies from a shared-memory file the client names)")
 
     @property
     def l2_bytes(self) -> int:
@@ -93,6 +100,8 @@ class ServerConfig:
             )
         int(self.shm_mode, 8)
         tmpfs_options(self.shm_dir)
+        if self.gpu_pin_piece_mb <= 0 or self.gpu_op_timeout_s <= 0 or self.gpu_watchdog_s <= 0:
+            raise ValueError("--gpu-pin-piece-mb, --gpu-op-timeout-s and --gpu-watchdog-s must be positive")
         if self.l2_path and (self.l2_bytes <= 0 or self.l2_queue_depth <= 0):
             raise ValueError("--l2-size-gb and --l2-queue-depth must be positive when --l2-path is set")
 

@@ -18,12 +18,14 @@ from kvtier.server import protocol as p
 from kvtier.server.cache import Cache
 from kvtier.server.config import ServerConfig
 from kvtier.server.eviction import make_policy
+from kvtier.server.gpu_ops import GpuOps
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool
 from kvtier.server.l1.store import L1Store
-from kvtier.server.metrics import Metrics
+from kvtier.server.metrics import GpuMetrics, Metrics
 from kvtier.server.rpc import RequestHandler
 from kvtier.server.tiers import make_tiers
+from kvtier.server.transfer.copiers import Copiers, CopiersConfig
 from kvtier.shm.client_lock import LockDirectory
 from kvtier.shm.segment import Segment, tmpfs_options
 
@@ -60,11 +62,17 @@ class Daemon:
         except BaseException:
             self.segment.close()
             raise
+        self.gpu_metrics = GpuMetrics(self.metrics)
+        self._copier_restarts: dict[str, int] = {}
+        self.gpu = GpuOps(self.cache, Copiers(CopiersConfig(
+            os.path.join(self.segment.directory, self.segment.name), self.segment.size, config.page_size,
+            config.gpu_pin_piece_mb << 20, config.gpu_watchdog_s, config.gpu_op_timeout_s), self._copier_changed),
+            self.gpu_metrics, self.segment.size, allow_fake=config.gpu_fake_engine)
         segment_info = {"shm_name": self.segment.name, "shm_dir": config.shm_dir, "shm_size": self.segment.size,
                         "page_size": config.page_size}
         self.handler = RequestHandler(
             self.cache, segment_info, config.chunk_size, heartbeat_s=config.client_timeout_s / 3,
-            token=config.admin_token,
+            token=config.admin_token, gpu=self.gpu,
         )
         self._stop = asyncio.Event()
         self._prefault_stop = threading.Event()
@@ -107,6 +115,7 @@ class Daemon:
                 prefault.join()
             for service in reversed(services):
                 await service.stop()
+            await self.gpu.engine.close()
             self.cache.close()
         finally:
             sock.close(0)
@@ -185,6 +194,13 @@ class Daemon:
         if finished:
             log.info("L1 backed by memory: %.2f GiB in %.1f s", self.segment.size / (1 << 30),
                      time.monotonic() - started)
+
+    def _copier_changed(self, copier: dict) -> None:
+        self.gpu_metrics.pinned_bytes.labels(copier["device"]).set(copier["pinned_bytes"])
+        seen = self._copier_restarts.get(copier["device"], 0)
+        if copier["restarts"] > seen:
+            self.gpu_metrics.copier_restarts.labels(copier["device"]).inc(copier["restarts"] - seen)
+            self._copier_restarts[copier["device"]] = copier["restarts"]
 
     def _set_backed(self, nbytes: int) -> None:
         self.cache.store.backed_bytes = nbytes

@@ -144,3 +144,27 @@ class L2Metrics:
             "kvtier_l2_clear_failures", "L2 files a cache clear could not remove (forgotten, never served)",
             registry=r,
         )
+
+
+class GpuMetrics:
+    """The GPU data path's metrics (names kvtier_gpu_*), registered with the copiers."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        r = metrics.registry
+        self.ops = Counter("kvtier_gpu_ops", "GPU operations answered, by op and result (ok, or the "
+                           "gpu_unavailable reason)", ["op", "result"], registry=r)
+        self.copied_bytes = Counter("kvtier_gpu_copied_bytes", "Bytes copied between GPU memory and L1, by "
+                                    "direction", ["direction"], registry=r)
+        self.copy_seconds = Histogram("kvtier_gpu_copy_seconds", "Per GPU operation: submit to copy done (the "
+                                      "engine's event wait included), by direction", ["direction"],
+                                      buckets=_STAGE_BUCKETS, registry=r)
+        self.registrations = Gauge("kvtier_gpu_registrations", "GPU KV allocations registered", registry=r)
+        self.pinned_bytes = Gauge("kvtier_gpu_l1_page_locked_bytes", "L1 bytes page-locked for DMA, by GPU",
+                                  ["device"], registry=r)
+        self.copier_restarts = Counter("kvtier_gpu_copier_restarts", "Copier processes killed and restarted "
+                                       "(died, hung, or an operation past --gpu-op-timeout-s)", ["device"],
+                                       registry=r)
+        for op in ("gpu_register", "gpu_store", "gpu_load"):
+            self.ops.labels(op, "ok")
+        for direction in ("store", "load"):
+            self.copied_bytes.labels(direction)

@@ -14,7 +14,7 @@ from typing import Any
 import msgpack
 from kvtier.server.keys import KEY_BYTES
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # Bounds on what one frame may make the server build, checked while msgpack decodes (docs/protocol.md):
 # the largest frame of the worst shape costs the serving loop a small fraction of a client timeout.
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # a lookup of a 3.6M-token prompt at 16-token blocks
@@ -26,7 +26,11 @@ MAX_BIN_BYTES = 64  # any byte string (keys and fingerprints are 16)
 MAX_BLOCKS = 4096  # engine blocks of one chunk
 MIN_BLOCK_BYTES = 1024  # L1 bytes a chunk's pages must hold per block: ties index size to L1 size
 
-OPS = ("hello", "register", "lookup", "reserve", "commit", "abort", "acquire", "release", "heartbeat", "stats", "bye")
+MAX_LAYERS = 1024  # layers of one registered GPU memory
+MAX_EVENTS = 256  # interprocess events of one GPU registration
+
+OPS = ("hello", "register", "lookup", "reserve", "commit", "abort", "acquire", "release", "heartbeat", "stats", "bye",
+       "gpu_register", "gpu_unregister", "gpu_store", "gpu_load")
 
 # Error codes (the `code` of a failed reply).
 BAD_REQUEST = "bad_request"
@@ -35,7 +39,18 @@ VERSION_MISMATCH = "version_mismatch"
 NOT_REGISTERED = "not_registered"
 UNKNOWN_NAMESPACE = "unknown_namespace"
 UNAUTHORIZED = "unauthorized"
+GPU_UNAVAILABLE = "gpu_unavailable"  # with a `reason` field: one of GPU_REASONS
+UNKNOWN_REGISTRATION = "unknown_registration"  # a GPU registration id this server does not hold (restart)
 INTERNAL = "internal"
+
+# Reasons of a `gpu_unavailable` reply (docs/vllm.md, troubleshooting): a GPU operation answered with one
+# of these is a miss, never a pageable copy or wrong bytes.
+NO_COPIER = "no_copier"  # the copy engine cannot run on this server (cupy absent, or the copier will not start)
+NO_DEVICE = "no_device"  # the server sees no GPU with the registered UUID (CUDA_VISIBLE_DEVICES, containers)
+IPC_REFUSED = "ipc_refused"  # the driver refused to open the memory or event handles (PID namespaces, MIG)
+NOT_PINNED = "not_pinned"  # L1 is still being page-locked (progress in /status)
+COPIER_FAILED = "copier_failed"  # the copier died or hung during this operation; it is being restarted
+GPU_REASONS = (NO_COPIER, NO_DEVICE, IPC_REFUSED, NOT_PINNED, COPIER_FAILED)
 
 # Per-item statuses of `reserve`.
 RESERVED = "ok"
@@ -51,10 +66,11 @@ PREFIX_REFUSED = "prefix_refused"  # an earlier item of the same reserve was ref
 
 
 class ProtocolError(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, **fields: Any) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.fields = fields  # extra reply fields (the `reason` of gpu_unavailable)
 
 
 def pack(message: dict[str, Any]) -> bytes:
@@ -97,8 +113,8 @@ def ok(rid: int, **fields: Any) -> dict[str, Any]:
     return {"id": rid, "ok": True, **fields}
 
 
-def error(rid: int, code: str, message: str) -> dict[str, Any]:
-    return {"id": rid, "ok": False, "code": code, "error": message}
+def error(rid: int, code: str, message: str, **fields: Any) -> dict[str, Any]:
+    return {"id": rid, "ok": False, "code": code, "error": message, **fields}
 
 
 def field(message: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
@@ -193,3 +209,111 @@ class StoreItem:
         if self.blocks > max(1, page_bytes // min_block_bytes):
             raise ProtocolError(BAD_REQUEST, f"store item of {self.size} bytes claims {self.blocks} blocks: at "
                                 f"most one per {min_block_bytes} bytes of its L1 pages")
+
+
+def int_field(message: dict[str, Any], name: str, low: int, high: int, default: Any = ...) -> int:
+    value = field(message, name, int, default)
+    if not low <= value <= high:
+        raise ProtocolError(BAD_REQUEST, f"field {name!r} must be in [{low}, {high}]")
+    return value
+
+
+def int_list_field(message: dict[str, Any], name: str, low: int, high: int, max_items: int = MAX_ITEMS) -> list[int]:
+    values = list_field(message, name, max_items)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and low <= v <= high for v in values):
+        raise ProtocolError(BAD_REQUEST, f"field {name!r} must be a list of integers in [{low}, {high}]")
+    return values
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """A GPU engine's KV allocation as a worker registers it (`gpu_register`), checked here once so that the
+    server can bounds-check every copy against it.
+
+    Engine block `b` of layer `l` is a page of `page_bytes` made of `runs` contiguous pieces of
+    `page_bytes // runs` bytes: piece `h` sits at byte `layer_offsets[l] + b * block_stride + h * run_stride` of
+    the allocation (one piece unless the layout puts heads outside blocks, as LHBNC and BHLNC do). In L1 a
+    chunk of m blocks holds its pages layer-major ((l * m + j) pages in) for layer-outer layouts and
+    block-major ((j * L + l) pages in) for block-outer ones (`block_major`), so that whole blocks stay one run
+    on both sides where the engine's memory allows it.
+    """
+
+    engine: str  # "cuda" or "fake" (the CPU stand-in, server/transfer/fake.py)
+    device: str  # the GPU's UUID ("GPU-..."), or the fake device's name
+    handle: bytes  # cudaIpcMemHandle_t of the allocation (64 bytes), or the fake device's shm name
+    alloc_size: int
+    layer_offsets: tuple[int, ...]
+    block_stride: int
+    num_blocks: int
+    page_bytes: int
+    runs: int
+    run_stride: int
+    layout: str  # vLLM's name of the physical order: LBNHC, LBHNC, LHBNC, BLHNC, BLNHC, BHLNC
+    events: tuple[bytes, ...]  # interprocess event handles (64 bytes each for cuda)
+    pid: int
+
+    ENGINES = ("cuda", "fake")
+    LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+
+    @property
+    def block_major(self) -> bool:
+        return self.layout.startswith("B")
+
+    @property
+    def run_bytes(self) -> int:
+        return self.page_bytes // self.runs
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_offsets)
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"engine": self.engine, "device": self.device, "handle": self.handle, "alloc_size": self.alloc_size,
+                "layer_offsets": list(self.layer_offsets), "block_stride": self.block_stride,
+                "num_blocks": self.num_blocks, "page_bytes": self.page_bytes, "runs": self.runs,
+                "run_stride": self.run_stride, "layout": self.layout, "events": list(self.events), "pid": self.pid}
+
+    @classmethod
+    def from_wire(cls, m: dict[str, Any]) -> GpuMemory:
+        """A checked registration: every page of every layer lies inside the allocation, pieces of one page do
+        not overlap, nor (one-piece pages) those of neighbouring blocks."""
+        big = 1 << 62
+        engine = field(m, "engine", str)
+        layout = field(m, "layout", str)
+        if engine not in cls.ENGINES or layout not in cls.LAYOUTS:
+            raise ProtocolError(BAD_REQUEST, f"engine must be one of {cls.ENGINES}, layout one of {cls.LAYOUTS}")
+        events = list_field(m, "events", MAX_EVENTS)
+        if not events or not all(isinstance(e, bytes) and e for e in events):
+            raise ProtocolError(BAD_REQUEST, f"events must be 1 to {MAX_EVENTS} byte strings")
+        handle = field(m, "handle", bytes)
+        if not handle:
+            raise ProtocolError(BAD_REQUEST, "handle must not be empty")
+        memory = cls(engine, field(m, "device", str), handle, int_field(m, "alloc_size", 1, big),
+                     tuple(int_list_field(m, "layer_offsets", 0, big, MAX_LAYERS)), int_field(m, "block_stride", 1, big),
+                     int_field(m, "num_blocks", 1, 1 << 40), int_field(m, "page_bytes", 1, 1 << 40),
+                     int_field(m, "runs", 1, 1 << 20), int_field(m, "run_stride", 0, big), layout, tuple(events),
+                     int_field(m, "pid", 0, 1 << 31))
+        memory.check()
+        return memory
+
+    def check(self) -> None:
+        if not self.layer_offsets:
+            raise ProtocolError(BAD_REQUEST, "a GPU memory has at least one layer")
+        if self.page_bytes % self.runs:
+            raise ProtocolError(BAD_REQUEST, "page_bytes must be a multiple of runs")
+        if self.runs > 1 and self.run_stride < self.run_bytes:
+            raise ProtocolError(BAD_REQUEST, "the pieces of a page overlap (run_stride < page_bytes / runs)")
+        if self.runs == 1 and self.run_stride:
+            raise ProtocolError(BAD_REQUEST, "run_stride must be 0 for one-piece pages")
+        page_span = (self.runs - 1) * self.run_stride + self.run_bytes
+        if self.runs == 1 and self.block_stride < self.page_bytes:
+            raise ProtocolError(BAD_REQUEST, "pages of neighbouring blocks overlap (block_stride < page_bytes)")
+        last = max(self.layer_offsets) + (self.num_blocks - 1) * self.block_stride + page_span
+        if last > self.alloc_size:
+            raise ProtocolError(BAD_REQUEST, f"the registered layers reach byte {last} of a {self.alloc_size}-byte "
+                                "allocation")
+
+    def page_pieces(self, layer: int, block: int) -> list[tuple[int, int]]:
+        """(allocation offset, bytes) of the pieces of one page, in L1 order."""
+        base = self.layer_offsets[layer] + block * self.block_stride
+        return [(base + h * self.run_stride, self.run_bytes) for h in range(self.runs)]

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtier.server import protocol as p
 from kvtier.server.cache import Acquired, Cache
+from kvtier.server.gpu_ops import GpuOps
 from kvtier.server.keys import Namespace
 from kvtier.server.metrics import L1
 from kvtier.server.tokens import token_matches
@@ -27,7 +28,8 @@ Handler = Callable[[bytes, dict[str, Any]], Reply]
 
 class RequestHandler:
     def __init__(
-        self, cache: Cache, segment: dict[str, Any], chunk_size: int, heartbeat_s: float, token: str = ""
+        self, cache: Cache, segment: dict[str, Any], chunk_size: int, heartbeat_s: float, token: str = "",
+        gpu: GpuOps | None = None,
     ) -> None:
         self.cache = cache
         self.holds = cache.holds
@@ -37,6 +39,7 @@ class RequestHandler:
         self.chunk_size = chunk_size
         self.heartbeat_s = heartbeat_s
         self.metrics = cache.metrics
+        self.gpu = gpu
         self._ops: dict[str, Handler] = {
             "hello": self._hello,
             "register": self._register,
@@ -49,6 +52,10 @@ class RequestHandler:
             "heartbeat": self._heartbeat,
             "stats": self._stats,
             "bye": self._bye,
+            "gpu_register": lambda ident, m: self._gpu().register(ident, m),
+            "gpu_unregister": lambda ident, m: self._gpu().unregister(ident, m),
+            "gpu_store": lambda ident, m: self._gpu().store(ident, m),
+            "gpu_load": lambda ident, m: self._gpu().load(ident, m),
         }
 
     def handle(self, ident: bytes, frame: bytes) -> bytes | Awaitable[bytes]:
@@ -90,7 +97,7 @@ class RequestHandler:
             if exc.code in (p.BAD_REQUEST, p.UNKNOWN_OP):
                 self.metrics.malformed.inc()
             self.metrics.request_errors.labels(exc.code).inc()
-            return p.error(rid, exc.code, exc.message)
+            return p.error(rid, exc.code, exc.message, **exc.fields)
         log.error("internal error handling %s", op, exc_info=exc)
         self.metrics.request_errors.labels(p.INTERNAL).inc()
         return p.error(rid, p.INTERNAL, "internal server error")
@@ -204,6 +211,11 @@ class RequestHandler:
     def _stats(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         self.holds.client(ident)
         return p.ok(p.request_id(m), server_id=self.server_id, **self.cache.status())
+
+    def _gpu(self) -> GpuOps:
+        if self.gpu is None:
+            raise p.ProtocolError(p.GPU_UNAVAILABLE, "this server runs no copy engine", reason=p.NO_COPIER)
+        return self.gpu
 
     def _bye(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         self.holds.drop_client(ident)

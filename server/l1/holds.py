@@ -45,6 +45,7 @@ class Reservation:
     extents: Extents
     deadline: float
     lapsed: bool = False  # expired or its client retired: not committable, pages held back
+    copying: bool = False  # a copier writes its pages (GPU engines): never freed before the copy ended
 
 
 @dataclass(slots=True)
@@ -54,6 +55,7 @@ class Lease:
     entries: list[Entry]
     deadline: float
     lapsed: bool = False  # expired or its client retired: the read is lost, its entries stay put
+    copying: bool = False  # a copier reads its pages (GPU engines): never ended before the copy ended
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,8 @@ class Holds:
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
         self._ids = itertools.count(1)
+        # Told the ident of every client that is unregistered (retired, dropped, or saying hello again).
+        self.on_client_gone: list[Callable[[bytes], None]] = []
 
     # -- clients ---------------------------------------------------------------------------------
 
@@ -116,6 +120,7 @@ class Holds:
         client = self.clients.pop(ident, None)
         if client is None:
             return
+        self._gone(ident)
         for rid in client.reservations:
             self._lapse_reservation(self.reservations[rid])
         for lid in client.leases:
@@ -327,18 +332,43 @@ class Holds:
         return True
 
     def _free_holdings(self, client: ClientState) -> None:
+        """Free what the client holds, except what a copier is still copying (that lapses, held back, and
+        is settled when the copy ends)."""
         for lid in list(client.leases):
-            self._end_lease(self.leases[lid])
+            lease = self.leases[lid]
+            if lease.copying:
+                self._lapse_lease(lease)
+            else:
+                self._end_lease(lease)
         for rid in list(client.reservations):
             res = self.reservations[rid]
+            if res.copying:
+                self._lapse_reservation(res)
+                continue
             self._finish_reservation(res)
             self.store.pool.release(res.extents)
-        self.retired.pop(id(client), None)
+        if client.reservations or client.leases:
+            self.retired[id(client)] = client
+        else:
+            self.retired.pop(id(client), None)
+
+    def copying(self, rids: Iterable[int] = (), lid: int = 0, on: bool = True) -> None:
+        """Mark reservations `rids` and lease `lid` as being copied by a copier process (or no longer)."""
+        for rid in rids:
+            if rid in self.reservations:
+                self.reservations[rid].copying = on
+        if lid in self.leases:
+            self.leases[lid].copying = on
+
+    def _gone(self, ident: bytes) -> None:
+        for listener in self.on_client_gone:
+            listener(ident)
 
     def drop_client(self, ident: bytes) -> None:
         """A client that said bye (or died): everything it held, registered or retired, is freed."""
         client = self.clients.pop(ident, None)
         if client is not None:
+            self._gone(ident)
             self._free_holdings(client)
         for old in [c for c in self.retired.values() if c.ident == ident]:
             self._free_holdings(old)

@@ -133,6 +133,20 @@ def slow_read(url: str, ns: dict, seed: int, n_chunks: int, delay_s: float) -> d
     return {"retrieved_tokens": retrieved, "wrong_chunks": wrong}
 
 
+def gpu_store_and_hang(url: str, name: str, tokens: int) -> None:
+    """A GPU worker (the fake device named `name`) whose stream never reaches the event of its store: it
+    reports the store sent, then waits to be killed."""
+    from _gpu_rig import FakeGpuWorker, namespace
+
+    worker = FakeGpuWorker("LBNHC", name)
+    _, transfers = worker.transfers(url)
+    worker.events.hold = True
+    blocks = -(-tokens // 16)
+    submitted = transfers.store("hang", namespace("LBNHC"), prompt(1, tokens).tolist(), list(range(blocks)))
+    print(json.dumps({"submitted": submitted}), flush=True)
+    time.sleep(600)
+
+
 if __name__ == "__main__":
     fn, kwargs = sys.argv[1], json.loads(sys.argv[2])
     out = globals()[fn](**kwargs)
