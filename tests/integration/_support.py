@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import blake3
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -25,6 +26,21 @@ START_TIMEOUT_S = 30.0
 def prompt(seed: int, n_tokens: int) -> np.ndarray:
     """A reproducible random prompt (token ids)."""
     return np.random.default_rng(seed).integers(0, 50_000, size=n_tokens, dtype=np.int64)
+
+
+def payload_of(key: bytes, size: int) -> np.ndarray:
+    """Bytes derived from a chunk's key: what a test stores for it and expects back."""
+    return np.frombuffer(blake3.blake3(b"payload" + key).digest(length=size), dtype=np.uint8)
+
+
+def read_checked(c, ns, hits) -> int:
+    """Blocks copied out of the chunks a lookup found; raises if any byte differs from payload_of."""
+    def read(rc) -> None:
+        buf = np.empty(rc.span.size, dtype=np.uint8)
+        rc.span.read(0, buf)
+        assert np.array_equal(buf, payload_of(rc.chunk.key, rc.span.size)), "retrieved bytes differ"
+
+    return c.retrieve_chunks(ns, hits, read)
 
 
 def free_port() -> int:

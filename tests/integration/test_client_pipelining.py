@@ -8,10 +8,9 @@ import signal
 import threading
 import time
 
-import blake3
 import numpy as np
 import pytest
-from _support import prompt, wait_for
+from _support import payload_of, prompt, read_checked, wait_for
 from kvtier.connector.client import ClientConfig, KVTierClient
 from kvtier.server.keys import Namespace, chunk_keys
 
@@ -24,9 +23,6 @@ BIG = 1 << 20
 N_BIG = 112  # chunks of the promotion that keeps a lookup's reply waiting (as in test_l2_promotion_server)
 
 
-def payload_of(key: bytes, size: int) -> np.ndarray:
-    return np.frombuffer(blake3.blake3(b"pipelining" + key).digest(length=size), dtype=np.uint8)
-
 
 def client(url: str, strict: bool = True) -> KVTierClient:
     c = KVTierClient(ClientConfig(url=url, connect_timeout_s=5.0, request_timeout_s=20.0, strict=strict))
@@ -37,14 +33,6 @@ def client(url: str, strict: bool = True) -> KVTierClient:
 def store(c: KVTierClient, tokens: np.ndarray, size: int) -> int:
     return c.store(NS, tokens, lambda _c: size, lambda ch, span: span.write(0, payload_of(ch.key, size))).stored
 
-
-def read_checked(c: KVTierClient, hits) -> int:
-    def read(rc) -> None:
-        buf = np.empty(rc.span.size, dtype=np.uint8)
-        rc.span.read(0, buf)
-        assert np.array_equal(buf, payload_of(rc.chunk.key, rc.span.size)), "retrieved bytes differ"
-
-    return c.retrieve_chunks(NS, hits, read)
 
 
 def test_threads_share_one_client_and_get_their_own_replies(kvtier_server):
@@ -67,7 +55,7 @@ def test_threads_share_one_client_and_get_their_own_replies(kvtier_server):
                 stats = c.submit({"op": "stats"})
                 found = c.lookup(NS, tokens)
                 assert found.tokens == len(tokens) and len(found.hits) == n
-                assert read_checked(c, found.hits) == n * NS.chunk_size // NS.block_size
+                assert read_checked(c, NS, found.hits) == n * NS.chunk_size // NS.block_size
                 for pend in reversed(pending):  # collected in another order than sent
                     reply = pend.result()
                     assert reply is not None and len(reply["hits"]) == n and "entries" not in reply

@@ -15,10 +15,8 @@ import sys
 import urllib.error
 import urllib.request
 
-import blake3
-import numpy as np
 import pytest
-from _support import HERE, REPO, free_port, prompt, wait_for
+from _support import HERE, REPO, free_port, payload_of, prompt, read_checked, wait_for
 from kvtier.connector.client import ClientConfig, KVTierClient
 from kvtier.server.keys import Namespace, chunk_keys
 
@@ -29,9 +27,6 @@ NS = Namespace(model="org/tiny-l2-promo", dtype="bfloat16", num_layers=2, kv_hea
 BIG = 1 << 20  # bytes per chunk of the large promotion (16 pages of 64 KiB)
 HELD = ("leases", "reservations", "pinned_bytes", "l2_promoting", "l2_promoting_bytes")
 
-
-def payload_of(key: bytes, size: int) -> np.ndarray:
-    return np.frombuffer(blake3.blake3(b"payload" + key).digest(length=size), dtype=np.uint8)
 
 
 def client(url: str) -> KVTierClient:
@@ -47,15 +42,6 @@ def store_all(c: KVTierClient, prompts, size: int) -> None:
     wait_for(lambda: (s := c.stats()) and s["l2_inflight"] == 0 and s["l2_written"] >= sum(
         len(chunk_keys(NS, t)) for t in prompts), timeout=120, what="L2 writes durable")
 
-
-def read_checked(c: KVTierClient, hits) -> int:
-    """Blocks copied out of the chunks a lookup found; raises if any byte differs from what was stored."""
-    def read(rc) -> None:
-        buf = np.empty(rc.span.size, dtype=np.uint8)
-        rc.span.read(0, buf)
-        assert np.array_equal(buf, payload_of(rc.chunk.key, rc.span.size)), "retrieved bytes differ"
-
-    return c.retrieve_chunks(NS, hits, read)
 
 
 def restart(srv, sig: int = signal.SIGTERM) -> None:
@@ -92,7 +78,7 @@ def test_promotion_overlaps_and_is_bit_exact_with_bandwidth_reported(kvtier_serv
     assert looked.bandwidth == {"l2": 0.0}
     during = b.stats()  # another client, answered while the promotion runs
     assert during["l2_promoted"] < n_big, during
-    assert read_checked(a, looked.hits) == n_big * NS.chunk_size // NS.block_size  # waits, then bit-exact
+    assert read_checked(a, NS, looked.hits) == n_big * NS.chunk_size // NS.block_size  # waits, then bit-exact
     s = b.stats()
     assert s["l2_promoted"] == n_big and s["l2_promoting"] == 0 and s["l2_promotion_failures"] == 0
     assert s["l2_read_bytes_per_s"] > 0 and s["leases"] == 0
@@ -100,7 +86,7 @@ def test_promotion_overlaps_and_is_bit_exact_with_bandwidth_reported(kvtier_serv
     assert [h.tier for h in again.hits] == ["l1"] * n_big and again.bandwidth == {}
     other = a.lookup(NS, small[0])
     assert [h.tier for h in other.hits] == ["l2"] * 4 and other.bandwidth["l2"] > 0
-    assert read_checked(a, other.hits) == 4 * NS.chunk_size // NS.block_size
+    assert read_checked(a, NS, other.hits) == 4 * NS.chunk_size // NS.block_size
     text = scrape(http)
     bw = [line for line in text.splitlines()
           if line.startswith('kvtier_tier_read_bandwidth_bytes_per_second{tier="l2"}')]
@@ -119,7 +105,7 @@ def test_promotion_overlaps_and_is_bit_exact_with_bandwidth_reported(kvtier_serv
     assert "Traceback" not in log and "segment removed" in log
     a = client(srv.url)
     looked = a.lookup(NS, small[1])
-    assert read_checked(a, looked.hits) == 4 * NS.chunk_size // NS.block_size
+    assert read_checked(a, NS, looked.hits) == 4 * NS.chunk_size // NS.block_size
     a.close()
 
 
@@ -139,12 +125,12 @@ def test_corrupt_file_found_at_promotion_is_a_counted_miss(kvtier_server, tmp_pa
     c = client(srv.url)
     looked = c.lookup(NS, prompts[0])
     assert [h.tier for h in looked.hits] == ["l2", "l2"]  # reported before the read found the damage
-    assert read_checked(c, looked.hits) == 0  # the first chunk is a miss, so nothing of the prefix loads
+    assert read_checked(c, NS, looked.hits) == 0  # the first chunk is a miss, so nothing of the prefix loads
     s = c.stats()
     assert s["l2_promotion_failures"] == 1 and s["l2_corrupt_chunks"] == 1 and not path.exists()
     assert s["leases"] == 0 and s["l2_promoting"] == 0
     looked = c.lookup(NS, prompts[1])
-    assert read_checked(c, looked.hits) == 2 * NS.chunk_size // NS.block_size
+    assert read_checked(c, NS, looked.hits) == 2 * NS.chunk_size // NS.block_size
     c.close()
 
 
@@ -233,7 +219,7 @@ def test_cache_clear_reaches_l2_by_scope(kvtier_server, tmp_path):
     code, r = post(http, "/cache/clear", {"scope": "tier", "tier": "l1"})
     assert code == 200 and set(r["tiers"]) == {"l1"} and r["tiers"]["l1"]["entries"] == 4, r
     looked = c.lookup(NS, p_a)
-    assert [h.tier for h in looked.hits] == ["l2", "l2"] and read_checked(c, looked.hits) == 32
+    assert [h.tier for h in looked.hits] == ["l2", "l2"] and read_checked(c, NS, looked.hits) == 32
 
     code, r = post(http, "/cache/clear", {"scope": "tier", "tier": "l2"})
     assert code == 200 and r["tiers"]["l2"]["entries"] == 4 and "l1" not in r["tiers"], r
