@@ -482,7 +482,8 @@ class KVTierClient:
         reply = self._request({"op": "lookup", "chunks": [c.block_keys for c in chunks]}, ns)
         if reply is None:
             return LookupResult([], [], [], ns.block_size)
-        return LookupResult(chunks, reply["hits"], reply["tiers"], ns.block_size, reply.get("bw") or {})
+        return LookupResult(chunks, reply["hits"], reply["tiers"], ns.block_size, reply.get("bw") or {},
+                            reply.get("rtt") or {}, bool(reply.get("pending", False)))
 
     # -- store -----------------------------------------------------------------------------------
 

@@ -2,14 +2,16 @@
 
 The worker registers its KV allocation once; then every store and load is one request that goes out
 without waiting (KVTierClient.submit) after the worker recorded one of its interprocess events on its
-stream, and whose reply, collected by `poll`, says the copy is done. An event is reused only after the reply
-of the operation that named it. A registration lost to a server restart (`unknown_registration`, or a new
+stream, and whose reply says the copy is done: collected by `poll`, or by `wait` for one operation (from any
+thread: the vLLM connector waits on its transfer threads, connector/in_flight.py). An event is reused only
+after the reply of the operation that named it. A registration lost to a server restart (`unknown_registration`, or a new
 `server_id`) is made again before the next operation; the operations it failed are misses.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -39,13 +41,17 @@ class Finished:
     reason: str = ""
 
 
-@dataclass
-class _InFlight:
+@dataclass(eq=False)
+class Operation:
+    """A store or load sent; `finished` once its reply is settled."""
+
     tag: Hashable
     kind: str
     pending: Pending
     event: int
     block_ids: list[list[int]]  # per item (store) or key (load)
+    finished: Finished | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 class GpuTransfers:
@@ -54,8 +60,8 @@ class GpuTransfers:
         self.memory = memory
         self.events = events
         self._free_events = list(range(len(memory.events)))[::-1]
-        self._inflight: list[_InFlight] = []
-        self._done: list[Finished] = []  # settled while waiting for a free event, not yet polled
+        self._ops: list[Operation] = []  # sent and not collected yet (by poll or wait), in sending order
+        self._lock = threading.Lock()  # _ops and _free_events
         self._reg = 0
         self._server_id = ""
         self.unavailable = ""  # the last gpu_unavailable reason ("" = none)
@@ -81,17 +87,20 @@ class GpuTransfers:
         return self.register()
 
     def _event(self) -> int:
-        while not self._free_events:  # every event names an operation in flight: wait for the oldest
-            self._done.append(self._settle(self._inflight[0]))
-        return self._free_events.pop()
+        while True:
+            with self._lock:
+                if self._free_events:
+                    return self._free_events.pop()
+                oldest = next(op for op in self._ops if op.finished is None)
+            self._settle(oldest)  # every event names an operation in flight: wait for the oldest
 
     def store(self, tag: Hashable, ns: Namespace, token_ids: Sequence[int], block_ids: Sequence[int],
-              skip_chunks: int = 0) -> bool:
+              skip_chunks: int = 0) -> Operation | None:
         """Store the whole chunks of `token_ids` (from chunk `skip_chunks`) out of engine blocks `block_ids`
-        (one per block of the prompt); False when nothing was sent."""
+        (one per block of the prompt); None when nothing was sent."""
         chunks = chunk_keys(ns, token_ids)[skip_chunks:][: p.MAX_STORE_ITEMS]
         if not chunks or not self._ready():
-            return False
+            return None
         bs, m = ns.block_size, self.memory
         ids = [list(block_ids[c.start_token // bs: c.start_token // bs + len(c.block_keys)]) for c in chunks]
         items = [p.StoreItem(c.key, m.num_layers * len(c.block_keys) * m.page_bytes, len(c.block_keys),
@@ -99,9 +108,9 @@ class GpuTransfers:
         return self._submit(tag, "store", ns, {"op": "gpu_store", "items": items, "block_ids": ids}, ids)
 
     def load(self, tag: Hashable, ns: Namespace, token_ids: Sequence[int], block_ids: Sequence[int],
-             first_block: int, end_block: int) -> bool:
+             first_block: int, end_block: int) -> Operation | None:
         """Load prompt blocks [first_block, end_block) of `token_ids` into `block_ids` (one per prompt block);
-        False when nothing was sent (the caller reports those blocks as load errors)."""
+        None when nothing was sent (the caller reports those blocks as load errors)."""
         bs = ns.block_size
         keys, firsts, ids = [], [], []
         for chunk in chunk_keys(ns, token_ids[: end_block * bs]):
@@ -112,36 +121,48 @@ class GpuTransfers:
                 firsts.append(lo)
                 ids.append(list(block_ids[base + lo: base + hi]))
         if not keys or not self._ready():
-            return False
+            return None
         return self._submit(tag, "load", ns, {"op": "gpu_load", "keys": keys, "first": firsts, "block_ids": ids},
                             ids)
 
     def _submit(self, tag: Hashable, kind: str, ns: Namespace, message: dict[str, Any],
-                ids: list[list[int]]) -> bool:
+                ids: list[list[int]]) -> Operation | None:
         event = self._event()
         self.events.record(event)
         pending = self.client.submit({**message, "reg": self._reg, "event": event}, ns)
-        if pending is None:
-            self._free_events.append(event)
-            return False
-        self._inflight.append(_InFlight(tag, kind, pending, event, ids))
-        return True
+        op = Operation(tag, kind, pending, event, ids)
+        with self._lock:
+            self._ops.append(op)
+        return op
 
     def poll(self, wait: bool = False) -> list[Finished]:
-        """The operations whose reply arrived (with `wait`, every one in flight, waiting for them)."""
-        done, self._done = self._done, []
-        for op in list(self._inflight):
-            if wait or op.pending.done():
-                done.append(self._settle(op))
-        return done
+        """The operations whose reply arrived (with `wait`, every one in flight, waiting for them), each once."""
+        with self._lock:
+            ops = list(self._ops)
+        return [self.wait(op) for op in ops if wait or op.finished is not None or op.pending.done()]
+
+    def wait(self, op: Operation) -> Finished:
+        """Wait for `op`'s reply (any thread) and collect it: `poll` does not report it again."""
+        finished = self._settle(op)
+        with self._lock:
+            if op in self._ops:
+                self._ops.remove(op)
+        return finished
 
     @property
     def in_flight(self) -> int:
-        return len(self._inflight)
+        with self._lock:
+            return sum(op.finished is None for op in self._ops)
 
-    def _settle(self, op: _InFlight) -> Finished:
-        self._inflight.remove(op)
-        self._free_events.append(op.event)
+    def _settle(self, op: Operation) -> Finished:
+        with op.lock:
+            if op.finished is None:
+                op.finished = self._outcome(op)
+                with self._lock:
+                    self._free_events.append(op.event)
+        return op.finished
+
+    def _outcome(self, op: Operation) -> Finished:
         every = {b for ids in op.block_ids for b in ids}
         try:
             reply = op.pending.result()

@@ -30,6 +30,10 @@ class LookupResult:
     block_size: int
     # Measured read bandwidth (bytes/s) of the lower tiers, sent with lower-tier hits; 0.0 = not measured yet.
     bandwidth: dict[str, float] = field(default_factory=dict)
+    # Measured round trip (s) of the network tiers among them (the remote tier).
+    rtt: dict[str, float] = field(default_factory=dict)
+    # A tier could not answer for the chunk after the hits yet (a remote probe is running): ask again shortly.
+    pending: bool = False
 
     @functools.cached_property
     def hits(self) -> list[ChunkHit]:
@@ -43,17 +47,24 @@ class LookupResult:
     def tokens(self) -> int:
         return self.blocks * self.block_size
 
-    def tokens_faster_than(self, min_bandwidth: float) -> int:
-        """Prefix tokens up to the first chunk in a lower tier whose measured read bandwidth is below
-        `min_bandwidth` bytes/s (loading it would be slower than recomputing it). A tier not measured yet
+    def tokens_faster_than(self, min_bandwidth: float, prefill_tokens_per_s: float = 0.0) -> int:
+        """Prefix tokens worth loading rather than recomputing: up to the first chunk in a lower tier whose
+        measured read bandwidth is below `min_bandwidth` bytes/s (the break-even: KV bytes per token x the
+        engine's prefill rate), and without a trailing run of a network tier's chunks whose tokens prefill
+        computes faster than one round trip to that tier (`prefill_tokens_per_s`). A tier not measured yet
         counts as fast; `min_bandwidth` 0 keeps every hit."""
         if min_bandwidth <= 0 or not self.bandwidth:
             return self.tokens
         blocks = 0
+        run_tier, run_blocks = "", 0  # the trailing run of one lower tier's chunks
         for match, tier in zip(self.matches, self.tiers, strict=True):
             if tier != L1_TIER and 0.0 < self.bandwidth.get(tier, 0.0) < min_bandwidth:
                 break
+            run_tier, run_blocks = (tier, run_blocks + match) if tier == run_tier else (tier, match)
             blocks += match
+        rtt = self.rtt.get(run_tier, 0.0)
+        if rtt and prefill_tokens_per_s > 0 and run_blocks * self.block_size / prefill_tokens_per_s < rtt:
+            blocks -= run_blocks
         return blocks * self.block_size
 
 

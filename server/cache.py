@@ -35,6 +35,7 @@ class Found:
 
     hits: list[tuple[Entry, int]]
     tiers: list[str] = field(default_factory=list)
+    pending: bool = False  # a tier could not say yet whether it holds the next chunk (its probe is running)
 
 
 @dataclass
@@ -112,7 +113,10 @@ class Cache:
         meanwhile, so room made for promotions cannot evict it."""
         store, promotions = self.store, tier.promotions
         rest = chunks[len(found.hits):]
-        records = tier.tier.find_prefix(rest) or []
+        records = tier.tier.find_prefix(rest)
+        if records is None:
+            found.pending = True
+            return
         held = [entry for entry, _ in found.hits]
         for entry in held:
             store.hold(entry)
@@ -147,6 +151,10 @@ class Cache:
     def bandwidths(self) -> dict[str, float]:
         """Measured read bandwidth per lower tier, bytes/s (0.0: not measured yet), for lookup replies."""
         return {t.name: t.read_bw.bytes_per_s for t in self.tiers}
+
+    def round_trips(self) -> dict[str, float]:
+        """Measured round trip per lower tier that has one (a network tier), seconds, for lookup replies."""
+        return {t.name: rtt for t in self.tiers if (rtt := getattr(t.tier, "rtt_s", 0.0))}
 
     # -- store and read --------------------------------------------------------------------------
 

@@ -145,6 +145,9 @@ class RequestHandler:
         reply = p.ok(p.request_id(m), hits=[match for _, match in found.hits], tiers=found.tiers)
         if found.tiers and found.tiers[-1] != L1:  # lower-tier hits follow the L1 prefix
             reply["bw"] = self.cache.bandwidths()
+            reply["rtt"] = self.cache.round_trips()
+        if found.pending:
+            reply["pending"] = True
         if p.field(m, "acquire", bool, False) and found.hits:
             keys = [chunks[i][match - 1] for i, (_, match) in enumerate(found.hits)]
             return self._leased(ident, fp, keys, reply)

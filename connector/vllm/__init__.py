@@ -4,10 +4,11 @@ Load with ``--kv-transfer-config '{"kv_connector":"KVTierConnector",
 "kv_connector_module_path":"kvtier.connector.vllm","kv_role":"kv_both"}'``; options in docs/vllm.md.
 
 Scheduler: one lookup per new request gives the block-aligned number of prompt tokens kvtier holds
-beyond vLLM's own prefix-cache hit; the load is synchronous (the first forward of the request waits
-for a copy of a few milliseconds, far less than a prefill). Worker: loads in ``start_load_kv``; when a
-request's prompt is complete, ``wait_for_save`` stores its whole blocks (chunks kvtier already holds are
-skipped by the server without a copy). A load that comes up short is reported through
+beyond vLLM's own prefix-cache hit. Worker: loads in ``start_load_kv``; when a request's prompt is
+complete, ``wait_for_save`` stores its whole blocks (chunks kvtier already holds are skipped by the server
+without a copy). By default both are synchronous (the first forward of the request waits for a copy of a
+few milliseconds, far less than a prefill); ``kvtier.async_transfers`` runs them in the background
+(scheduler.py says how vLLM's asynchronous states are used). A load that comes up short is reported through
 ``get_block_ids_with_load_errors`` so vLLM recomputes those blocks: a miss, never wrong KV.
 
 vLLM builds one KVTierConnector per process, with its role: the scheduler's (SchedulerSide in
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 __all__ = ["ConnectorOptions", "KVTierConnector", "KVTierMetadata", "LoadSpec", "SaveSpec", "kv_bytes_per_token"]
@@ -47,6 +49,13 @@ log = logging.getLogger("kvtier.connector")
 
 class KVTierConnector(KVConnectorBase_V1):
     _cache_hit_source = CacheHitSource.HOST
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """`kvtier.kv_layout` (e.g. BLNHC, block-major: one run of every layer per block) asked of vLLM; vLLM
+        may drop it for a backend that cannot use it, so the namespace carries the layout it resolved."""
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        return str(extra.get("kvtier.kv_layout") or "") or None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -95,6 +104,9 @@ class KVTierConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_connector_meta(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
 
@@ -105,6 +117,12 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self.worker.start_load_kv(self._get_connector_metadata())
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self.worker.handle_preemptions(kv_connector_metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self.worker.get_finished(finished_req_ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         self.worker.wait_for_layer_load(layer_name)

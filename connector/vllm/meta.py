@@ -31,6 +31,9 @@ class ConnectorOptions:
     cache_salt: str = ""
     token: str = ""
     prefill_tokens_per_s: float = 0.0  # the engine's prefill rate: lower-tier hits slower than it are skipped
+    pending_wait_ms: float = 100.0  # how long a request may wait for a remote tier's probe before it goes on
+    kv_layout: str = ""  # GPU: the KV layout asked of vLLM (e.g. BLNHC, block-major); "" = vLLM's choice
+    async_transfers: bool = False  # loads and stores in the background (WAITING_FOR_REMOTE_KVS, held blocks)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:
@@ -42,7 +45,7 @@ class ConnectorOptions:
         for key, name in known.items():
             if key in extra:
                 kind = type(getattr(cls, name))
-                values[name] = kind(extra[key])
+                values[name] = _flag(key, extra[key]) if kind is bool else kind(extra[key])
         return cls(**values)
 
     def client_config(self) -> ClientConfig:
@@ -50,6 +53,18 @@ class ConnectorOptions:
             url=self.url, connect_timeout_s=self.connect_timeout_s, request_timeout_s=self.request_timeout_s,
             retry_backoff_s=self.retry_backoff_s, token=self.token or os.environ.get(TOKEN_ENV, ""),
         )
+
+
+def _flag(key: str, value: Any) -> bool:
+    """A boolean option from JSON (true/false) or a string ("true", "0", ...); anything else is refused."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{key} must be true or false, not {value!r}")
 
 
 @dataclass
@@ -79,6 +94,10 @@ class SaveSpec:
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    # asynchronous transfers: requests preempted in this step (their stores must end before the forward
+    # pass) and finished requests whose blocks the scheduler holds until their stores are reported
+    preempted: list[str] = field(default_factory=list)
+    held: list[str] = field(default_factory=list)
 
 
 class ConnectorSide:
@@ -95,12 +114,21 @@ class ConnectorSide:
         self.tp_rank = tp_rank
         self._namespaces: dict[str, Namespace] = {}
         self.client = KVTierClient(options.client_config())
+        # GPU engines always transfer asynchronously (the server's copier moves the blocks)
+        self.gpu = vllm_config.device_config.device_type == "cuda"
+        self.asynchronous = options.async_transfers or self.gpu
+
+    @property
+    def kv_layout(self) -> str:
+        """The engine memory layout in the namespace: "paged" for the CPU copy path; on GPU the layout vLLM
+        resolved (KVCacheLayout name, the same in the scheduler and every worker)."""
+        return (self.vllm_config.cache_config.kv_cache_layout or "unresolved") if self.gpu else "paged"
 
     def namespace(self, salt: str) -> Namespace:
         ns = self._namespaces.get(salt)
         if ns is None:
             salt_full = f"{self.options.cache_salt}|{salt}" if salt else self.options.cache_salt
-            ns = namespace_for(self.vllm_config, self.options.chunk_size, self.tp_rank, salt_full)
+            ns = namespace_for(self.vllm_config, self.options.chunk_size, self.tp_rank, salt_full, self.kv_layout)
             self._namespaces[salt] = ns
         return ns
 

@@ -2,13 +2,20 @@
 the workers carry out (KVTierMetadata).
 
 A lookup gives the block-aligned number of prompt tokens kvtier holds beyond vLLM's own prefix-cache hit
-(lower-tier hits slower than the engine's prefill are left out); the load is synchronous. A request's
-whole prompt blocks are stored once, in the step that computes its last prompt token.
+(lower-tier hits slower than the engine's prefill are left out). A request's whole prompt blocks are stored
+once, in the step that computes its last prompt token.
+
+Synchronous (default): a load runs before the forward pass of the request's first step, a store after it.
+Asynchronous (`kvtier.async_transfers`): a request with a hit waits in WAITING_FOR_REMOTE_KVS while a worker
+thread loads it, and other requests keep running; a finished request whose store may still be running keeps
+its blocks (`request_finished` -> True) until the workers report the store; a preempted request's store is
+waited for by the workers before its blocks are reused (worker.py, in_flight.py).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +25,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("kvtier.connector")
@@ -29,11 +37,14 @@ class _Tracked:
 
     prompt: list[int]
     salt: str
+    asked: float = 0.0  # when vLLM first asked about it (monotonic)
+    looked_up: bool = False
     block_ids: list[int] = field(default_factory=list)
     hit_tokens: int = 0
     local_tokens: int = 0
     external_tokens: int = 0
     load_pending: bool = False
+    loading: list[int] | None = None  # the engine blocks of an asynchronous load in flight (until reported)
     saved: bool = False
 
 
@@ -41,6 +52,9 @@ class SchedulerSide(ConnectorSide):
     def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, options, tp_rank=0)
         self._requests: dict[str, _Tracked] = {}
+        self._async = self.asynchronous
+        self._async_loads: list[LoadSpec] = []  # planned in update_state_after_alloc, sent in the next step
+        self._held: list[str] = []  # finished requests held for their stores, told to the workers next step
         # Break-even: a lower tier pays off only if it delivers a token's KV faster than prefill computes it.
         # Every TP rank loads its share through the same server, hence the whole model's bytes.
         self.min_load_bandwidth = (kv_bytes_per_token(kv_cache_config) * options.prefill_tokens_per_s
@@ -53,28 +67,48 @@ class SchedulerSide(ConnectorSide):
         limit = (len(prompt) - 1) // self.block_size * self.block_size
         tracked = self._requests.get(request.request_id)
         if tracked is None:
-            # One lookup per request: the scheduler may ask again while the request waits for room.
-            tracked = self._requests[request.request_id] = _Tracked(prompt, salt)
+            tracked = self._requests[request.request_id] = _Tracked(prompt, salt, asked=time.monotonic())
+        if not tracked.looked_up:
+            # One answered lookup per request: the scheduler may ask again while the request waits for room.
+            # A remote tier still probing answers "pending": vLLM asks again next step (None), up to
+            # `pending_wait_ms`, then the request goes on with what is known.
             if limit > num_computed_tokens:
                 try:
                     found = self.client.lookup(self.namespace(salt), prompt[:limit])
-                    tracked.hit_tokens = min(found.tokens_faster_than(self.min_load_bandwidth), limit)
                 except Exception:  # a lookup the server refused is a miss: the scheduler must never fail
                     log.exception("kvtier lookup failed for request %s", request.request_id)
+                else:
+                    if found.pending and time.monotonic() - tracked.asked < self.options.pending_wait_ms / 1000:
+                        return None, False
+                    tracked.hit_tokens = min(found.tokens_faster_than(self.min_load_bandwidth,
+                                                                      self.options.prefill_tokens_per_s), limit)
+            tracked.looked_up = True
         hit = tracked.hit_tokens
         tracked.local_tokens = num_computed_tokens
         tracked.external_tokens = max(0, hit - num_computed_tokens)
-        return tracked.external_tokens, False
+        return tracked.external_tokens, self._async and tracked.external_tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._requests.get(request.request_id)
         if tracked is None:
             return
         tracked.external_tokens = num_external_tokens
-        tracked.load_pending = num_external_tokens > 0
+        # a synchronous load is built from the request's first scheduled step
+        tracked.load_pending = num_external_tokens > 0 and not self._async
+        if num_external_tokens <= 0 or not self._async:
+            return
+        # An asynchronous load: the request is not scheduled until it is done, so plan it from these blocks.
+        block_ids = list(blocks.get_block_ids()[0])
+        first = tracked.local_tokens // self.block_size
+        end = first + num_external_tokens // self.block_size
+        self._async_loads.append(LoadSpec(request.request_id, tracked.prompt[: end * self.block_size],
+                                          block_ids[:end], first, end, tracked.salt))
+        tracked.loading = block_ids[first:end]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
-        meta = KVTierMetadata()
+        meta = KVTierMetadata(loads=self._async_loads, held=self._held,
+                              preempted=sorted(scheduler_output.preempted_req_ids or ()))
+        self._async_loads, self._held = [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
@@ -116,9 +150,26 @@ class SchedulerSide(ConnectorSide):
             meta.saves.append(SaveSpec(req_id, tracked.prompt[: whole * self.block_size],
                                        tracked.block_ids[:whole], tracked.salt, skip))
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.finished_recving or ():
+            tracked = self._requests.get(req_id)
+            if tracked is None or tracked.loading is None:
+                continue
+            if not connector_output.invalid_block_ids.isdisjoint(tracked.loading):
+                tracked.hit_tokens = 0  # if vLLM schedules it from scratch again, it recomputes, not reloads
+            tracked.loading = None
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        return False, None
+        """Hold the blocks of a finished request whose store may be in flight (asynchronous transfers).
+
+        Not one whose load is in flight: vLLM holds those itself until the load is reported, and a request
+        loading again after a preemption has had its store finished before its blocks were freed.
+        """
+        tracked = self._requests.pop(request.request_id, None)
+        hold = self._async and tracked is not None and tracked.saved and tracked.loading is None
+        if hold:
+            self._held.append(request.request_id)
+        return hold, None
 
 
 def kv_bytes_per_token(kv_cache_config: Any) -> float:

@@ -1,9 +1,12 @@
 """The worker side of the vLLM connector: copies between the engine's paged KV cache and kvtier's L1.
 
-Loads run in ``start_load_kv``, before the forward pass; when a request's prompt is complete,
-``wait_for_save`` stores its whole blocks (chunks kvtier already holds are skipped by the server without
-a copy). A load that comes up short is reported through ``get_block_ids_with_load_errors`` so vLLM
-recomputes those blocks: a miss, never wrong KV.
+Loads run in ``start_load_kv``; when a request's prompt is complete, ``wait_for_save`` stores its whole
+blocks (chunks kvtier already holds are skipped by the server without a copy). Synchronous by default: a
+load before the forward pass, a store after it. With ``kvtier.async_transfers`` both go to background
+threads (in_flight.py) and are reported through ``get_finished``; ``handle_preemptions`` waits for the
+stores of preempted requests before the forward pass can overwrite their blocks. A load that comes up
+short is reported through ``get_block_ids_with_load_errors`` so vLLM recomputes those blocks: a miss,
+never wrong KV.
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from kvtier.connector.gpu_transfers import EventSource, GpuTransfers
+from kvtier.connector.in_flight import InFlight
 from kvtier.connector.kv_blocks import PagedKV
 from kvtier.connector.results import ReadChunk
-from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec
+from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.server.keys import ChunkKeys
+from kvtier.server.protocol import GpuMemory
+from kvtier.shm.cuda_ipc import CudaError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -24,39 +31,87 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.connector")
 
+GPU_EVENTS = 64  # interprocess events per worker: operations in flight at once before one must finish
+
 
 class WorkerSide(ConnectorSide):
     def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, tp_rank: int) -> None:
         super().__init__(vllm_config, options, tp_rank)
         self._kv: PagedKV | None = None
         self._load_errors: set[int] = set()
+        self._in_flight = InFlight() if self.asynchronous else None
+        self._gpu: GpuTransfers | None = None
+        self._events: Any = None  # the GPU worker's CudaEvents
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if any(t.device.type == "cuda" for t in kv_caches.values()):
+            self._register_gpu(kv_caches)
+            return
         layers = []
         for name, tensor in kv_caches.items():
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
-                log.warning("kvtier connector: layer %s is not a contiguous CPU tensor; the GPU data path "
-                            "is not available in this build, connector disabled", name)
+                log.warning("kvtier connector: layer %s is neither a contiguous CPU tensor nor a CUDA tensor; "
+                            "connector disabled", name)
                 return
             layers.append(tensor.view(torch.uint8).reshape(tensor.shape[0], -1).numpy())
         self._kv = PagedKV(layers)
         log.info("kvtier connector: %d layers x %d blocks of %d bytes", len(layers), self._kv.num_blocks,
                  self._kv.block_bytes)
 
+    def _register_gpu(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Export vLLM's KV allocation and events once and register them; the server's copier moves the
+        blocks from then on (not yet run on a GPU: docs/vllm.md, "Data path")."""
+        from kvtier.connector.vllm.gpu_memory import export  # imports the CUDA runtime on first use
+
+        try:
+            memory, self._events = export(kv_caches, GPU_EVENTS, self.vllm_config.cache_config.kv_cache_layout)
+        except (ValueError, CudaError, OSError) as exc:
+            log.warning("kvtier connector: this GPU KV cache cannot be registered (%s); connector disabled", exc)
+            return
+        self.attach_gpu(memory, self._events)
+
+    def attach_gpu(self, memory: GpuMemory, events: EventSource) -> None:
+        """Move this worker's blocks through the server's copier from now on (`events`: where the worker
+        records what its stream reached). Tests attach the CPU stand-in's memory here."""
+        self._gpu = GpuTransfers(self.client, memory, events)
+        if self._in_flight is None:
+            self._in_flight = InFlight()
+        if self._gpu.register():
+            log.info("kvtier connector: GPU %s, layout %s, %d layers x %d blocks of %d bytes", memory.device,
+                     memory.layout, memory.num_layers, memory.num_blocks, memory.page_bytes)
+
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
-        """Carry out the step's loads (`meta`: the metadata bound for this step)."""
-        if not isinstance(meta, KVTierMetadata) or self._kv is None:
-            for spec in getattr(meta, "loads", ()):
-                self._load_errors.update(spec.block_ids[spec.first_block:spec.end_block])
+        """Carry out the step's loads (`meta`: the metadata bound for this step), or start them (async)."""
+        if not isinstance(meta, KVTierMetadata):
+            return
+        if self._in_flight is not None:
+            self._in_flight.hold(meta.held)
+            for spec in meta.loads:
+                self._in_flight.load(spec.req_id, spec.block_ids[spec.first_block:spec.end_block],
+                                     self._gpu_load(spec) if self._gpu is not None
+                                     else lambda spec=spec: set(self._missing(spec)))
             return
         for spec in meta.loads:
-            loaded = self._load(spec)
-            missing = [b for i, b in enumerate(spec.block_ids) if spec.first_block <= i < spec.end_block
-                       and i not in loaded]
-            if missing:
-                log.warning("kvtier: %d of %d blocks of request %s could not be loaded; vLLM recomputes them",
-                            len(missing), spec.end_block - spec.first_block, spec.req_id)
-                self._load_errors.update(missing)
+            self._load_errors.update(self._missing(spec))
+
+    def _gpu_load(self, spec: LoadSpec) -> Any:
+        """Send a GPU load now (its event recorded on vLLM's stream, after this step's forward); the job
+        that waits for its reply and names the blocks that did not arrive."""
+        assert self._gpu is not None
+        gpu, wanted = self._gpu, set(spec.block_ids[spec.first_block:spec.end_block])
+        op = gpu.load(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids, spec.first_block,
+                      spec.end_block)
+        return (lambda: gpu.wait(op).failed & wanted) if op is not None else (lambda: wanted)
+
+    def _missing(self, spec: LoadSpec) -> list[int]:
+        """Load `spec`; the engine blocks that could not be filled (vLLM recomputes them)."""
+        loaded = self._load(spec) if self._kv is not None else set()
+        missing = [b for i, b in enumerate(spec.block_ids) if spec.first_block <= i < spec.end_block
+                   and i not in loaded]
+        if missing and self._kv is not None:
+            log.warning("kvtier: %d of %d blocks of request %s could not be loaded; vLLM recomputes them",
+                        len(missing), spec.end_block - spec.first_block, spec.req_id)
+        return missing
 
     def _load(self, spec: LoadSpec) -> set[int]:
         """Copy the planned blocks in; returns the prompt block indices that arrived."""
@@ -87,26 +142,63 @@ class WorkerSide(ConnectorSide):
         return None  # whole prompts are stored in wait_for_save, after every layer is computed
 
     def wait_for_save(self, meta: KVConnectorMetadata) -> None:
-        """Carry out the step's stores (`meta`: the metadata bound for this step)."""
-        if not isinstance(meta, KVTierMetadata) or self._kv is None:
+        """Carry out the step's stores (`meta`: the metadata bound for this step), or start them (async)."""
+        if not isinstance(meta, KVTierMetadata):
             return
-        kv = self._kv
+        if self._gpu is not None and self._in_flight is not None:
+            gpu = self._gpu
+            for spec in meta.saves:  # sent now: each records its event after this step's forward
+                op = gpu.store(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids,
+                               spec.skip_chunks)
+                self._in_flight.store(spec.req_id, (lambda op=op: gpu.wait(op) and None) if op is not None
+                                      else lambda: None)
+            return
+        if self._kv is None:
+            return
         for spec in meta.saves:
-            block_ids = spec.block_ids
-
-            def write(chunk: ChunkKeys, span: Any, block_ids: list[int] = block_ids) -> None:
-                first = chunk.start_token // self.block_size
-                kv.save(span, block_ids[first: first + len(chunk.block_keys)])
-
+            if self._in_flight is not None:
+                self._in_flight.store(spec.req_id, lambda spec=spec: self._store(spec))
+                continue
             try:
-                self.client.store(self.namespace(spec.salt), np.asarray(spec.token_ids),
-                                  lambda c: kv.chunk_bytes(len(c.block_keys)), write, skip_chunks=spec.skip_chunks)
+                self._store(spec)
             except Exception:  # a failed store is only a future miss
                 log.exception("kvtier store failed for request %s", spec.req_id)
+
+    def _store(self, spec: SaveSpec) -> None:
+        assert self._kv is not None
+        kv = self._kv
+
+        def write(chunk: ChunkKeys, span: Any) -> None:
+            first = chunk.start_token // self.block_size
+            kv.save(span, spec.block_ids[first: first + len(chunk.block_keys)])
+
+        self.client.store(self.namespace(spec.salt), np.asarray(spec.token_ids),
+                          lambda c: kv.chunk_bytes(len(c.block_keys)), write, skip_chunks=spec.skip_chunks)
+
+    def handle_preemptions(self, meta: KVConnectorMetadata) -> None:
+        """Before the forward pass reuses a preempted request's blocks, let its store finish reading them."""
+        if self._in_flight is not None and isinstance(meta, KVTierMetadata) and meta.preempted:
+            waited = self._in_flight.wait_for_stores(meta.preempted)
+            if waited:
+                log.debug("kvtier: waited for %d stores of preempted requests", waited)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._in_flight is None:
+            return None, None
+        done = self._in_flight.finished(finished_req_ids)
+        self._load_errors.update(done.load_errors)  # reported in this same step, as vLLM requires
+        return done.sending or None, done.recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def shutdown(self) -> None:
+        if self._in_flight is not None:
+            self._in_flight.close()
+        super().shutdown()  # its bye closes the server's GPU registrations
+        if self._events is not None:
+            self._events.close()
 
 
 def tp_rank() -> int:

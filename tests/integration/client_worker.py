@@ -143,7 +143,7 @@ def gpu_store_and_hang(url: str, name: str, tokens: int) -> None:
     worker.events.hold = True
     blocks = -(-tokens // 16)
     submitted = transfers.store("hang", namespace("LBNHC"), prompt(1, tokens).tolist(), list(range(blocks)))
-    print(json.dumps({"submitted": submitted}), flush=True)
+    print(json.dumps({"submitted": submitted is not None}), flush=True)
     time.sleep(600)
 
 

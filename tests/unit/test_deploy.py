@@ -4,8 +4,11 @@
   `kvtier` (verify insists the binary exists), and `systemd-analyze security --offline=yes` for the
   hardening score. Skipped where systemd-analyze is missing, except in CI (CI=true), where that fails.
 * Kubernetes: `kubernetes-validate --strict` (schemas of Kubernetes 1.37 shipped in the package, no cluster
-  or network needed) plus the cross-checks below (shared host paths, uid, memory >= L1 + overhead).
-* Docker: compose.yaml parses and wires vllm into kvtier's IPC and network namespaces.
+  or network needed) plus the cross-checks below (shared host paths, uid, memory >= L1 + overhead), for the
+  CPU manifests (deploy/kubernetes/*.yaml) and the GPU ones (deploy/kubernetes/gpu/: host IPC and PID
+  namespaces, every GPU visible to kvtier without a GPU request, one GPU requested by vLLM).
+* Docker: compose.yaml and compose.gpu.yaml parse and wire vllm into kvtier's namespaces; the Dockerfiles
+  copy every package folder.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -33,6 +37,11 @@ DEPLOY = REPO / "deploy"
 UNIT = DEPLOY / "systemd" / "kvtier.service"
 ENV_FILE = DEPLOY / "systemd" / "kvtier.env"
 K8S = DEPLOY / "kubernetes"
+K8S_GPU = K8S / "gpu"
+DOCKER = DEPLOY / "docker"
+PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+# The top folders of the packages (pyproject.toml [tool.setuptools.package-dir]): what an image must copy.
+PACKAGE_FOLDERS = sorted({d.split("/")[0] for d in PYPROJECT["tool"]["setuptools"]["package-dir"].values()})
 
 
 def _tool(name: str) -> str:
@@ -120,31 +129,50 @@ def test_env_file_names_real_settings():
 # --------------------------------------------------------------------------- Kubernetes
 
 
-def _k8s_docs() -> list[dict]:
+def _k8s_docs(folder: Path = K8S) -> list[dict]:
     docs = []
-    for path in sorted(K8S.glob("*.yaml")):
+    for path in sorted(folder.glob("*.yaml")):
         docs.extend(d for d in yaml.safe_load_all(path.read_text()) if d)
     return docs
 
 
-def _by_kind(kind: str) -> list[dict]:
-    return [d for d in _k8s_docs() if d["kind"] == kind]
+def _by_kind(kind: str, folder: Path = K8S) -> list[dict]:
+    return [d for d in _k8s_docs(folder) if d["kind"] == kind]
+
+
+def _validate_strict(tool: str, folder: Path) -> None:
+    """Every document of every manifest in `folder` passes the strict schema check."""
+    files = sorted(str(p) for p in folder.glob("*.yaml"))
+    r = subprocess.run([tool, "--strict", *files], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("passed") == len(_k8s_docs(folder)), r.stdout
+
+
+def _rejected(tool: str, doc: dict, tmp_path: Path) -> bool:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc))
+    r = subprocess.run([tool, "--strict", str(bad)], capture_output=True, text=True, timeout=120)
+    return r.returncode != 0
 
 
 def test_kubernetes_schema(tmp_path):
     tool = _tool("kubernetes-validate")
-    files = sorted(str(p) for p in K8S.glob("*.yaml"))
-    assert len(files) >= 3
-    r = subprocess.run([tool, "--strict", *files], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("passed") == len(_k8s_docs()), r.stdout
+    assert len(list(K8S.glob("*.yaml"))) >= 3
+    _validate_strict(tool, K8S)
     # The check is real: an unknown field fails.
-    bad = tmp_path / "bad.yaml"
     ds = _by_kind("DaemonSet")[0]
     ds["spec"]["template"]["spec"]["containers"][0]["memoryLimit"] = "1Gi"
-    bad.write_text(yaml.safe_dump(ds))
-    r = subprocess.run([tool, "--strict", str(bad)], capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0, r.stdout
+    assert _rejected(tool, ds, tmp_path)
+
+
+def test_kubernetes_gpu_schema(tmp_path):
+    tool = _tool("kubernetes-validate")
+    assert {p.name for p in K8S_GPU.glob("*.yaml")} == {"kvtier-daemonset.yaml", "vllm-deployment.yaml"}
+    _validate_strict(tool, K8S_GPU)
+    # A misspelt GPU setting is an unknown field, not a silently ignored one.
+    ds = _by_kind("DaemonSet", K8S_GPU)[0]
+    ds["spec"]["template"]["spec"]["hostIpc"] = ds["spec"]["template"]["spec"].pop("hostIPC")
+    assert _rejected(tool, ds, tmp_path)
 
 
 def _mem_gib(q: str) -> float:
@@ -159,9 +187,8 @@ def _env(container: dict) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container.get("env", [])}
 
 
-def test_kubernetes_wiring():
-    (ds,) = _by_kind("DaemonSet")
-    (deploy,) = _by_kind("Deployment")
+def _check_wiring(ds: dict, deploy: dict) -> None:
+    """kvtier's DaemonSet and vLLM's Deployment share the segment, the socket, the uid and the token."""
     ds_spec, vllm_spec = ds["spec"]["template"]["spec"], deploy["spec"]["template"]["spec"]
     kvtier = next(c for c in ds_spec["containers"] if c["name"] == "kvtier")
     vllm = vllm_spec["containers"][0]
@@ -196,6 +223,52 @@ def test_kubernetes_wiring():
     assert ds["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == env["KVTIER_HTTP_PORT"]
 
 
+def test_kubernetes_wiring():
+    (ds,) = _by_kind("DaemonSet")
+    (deploy,) = _by_kind("Deployment")
+    _check_wiring(ds, deploy)
+
+
+def _gpu_requests(container: dict) -> list[str]:
+    res = container.get("resources", {})
+    return [str(q) for part in ("requests", "limits") for k, q in res.get(part, {}).items() if k == "nvidia.com/gpu"]
+
+
+def test_kubernetes_gpu_wiring():
+    (ds,) = _by_kind("DaemonSet", K8S_GPU)
+    (deploy,) = _by_kind("Deployment", K8S_GPU)
+    _check_wiring(ds, deploy)  # segment, socket, uid, token, memory as on CPU nodes
+    ds_spec, vllm_spec = ds["spec"]["template"]["spec"], deploy["spec"]["template"]["spec"]
+    # CUDA IPC: both pods in the node's IPC and PID namespaces, under the NVIDIA runtime.
+    for spec in (ds_spec, vllm_spec):
+        assert spec["hostIPC"] is True and spec["hostPID"] is True
+        assert spec["runtimeClassName"] == "nvidia"
+    # kvtier sees every GPU but takes none (a GPU request would withdraw a GPU from vLLM).
+    for c in ds_spec["containers"] + ds_spec.get("initContainers", []):
+        assert _gpu_requests(c) == [], c["name"]
+    kvtier = next(c for c in ds_spec["containers"] if c["name"] == "kvtier")
+    env = _env(kvtier)
+    assert env["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert set(env["NVIDIA_DRIVER_CAPABILITIES"].split(",")) >= {"compute", "utility"}
+    (vllm,) = vllm_spec["containers"]
+    assert _gpu_requests(vllm) == ["1", "1"]  # requests and limits: one GPU
+    cfg = json.loads(next(a.split("=", 1)[1] for a in vllm["args"] if a.startswith("--kv-transfer-config=")))
+    assert cfg["kv_connector_module_path"] == "kvtier.connector.vllm"
+    # Otherwise the CPU DaemonSet: same volumes, mounts, probes, ports, KVTIER_ settings and hardening.
+    (cpu_ds,) = _by_kind("DaemonSet")
+    cpu_spec = cpu_ds["spec"]["template"]["spec"]
+    cpu_kvtier = next(c for c in cpu_spec["containers"] if c["name"] == "kvtier")
+    assert ds_spec["volumes"] == cpu_spec["volumes"]
+    for key in ("volumeMounts", "ports", "readinessProbe", "livenessProbe", "securityContext"):
+        assert kvtier[key] == cpu_kvtier[key], key
+    assert {k: v for k, v in env.items() if k.startswith("KVTIER_")} == _env(cpu_kvtier)
+    assert ds["metadata"]["name"] == cpu_ds["metadata"]["name"]  # applied instead of the CPU one
+    # The images are the ones compose.gpu.yaml builds (kvtier's from gpu.Dockerfile).
+    services = yaml.safe_load((DOCKER / "compose.gpu.yaml").read_text())["services"]
+    assert {c["image"] for c in ds_spec["containers"] + ds_spec["initContainers"]} == {services["kvtier"]["image"]}
+    assert vllm["image"] == services["vllm"]["image"]
+
+
 # --------------------------------------------------------------------------- Docker
 
 
@@ -225,6 +298,59 @@ def test_dockerfile():
     assert 'ENTRYPOINT ["kvtier", "server"]' in text
     for folder in ("server", "connector", "shm", "admin_api"):  # every package-dir of pyproject.toml
         assert f"COPY {folder} /src/{folder}" in text
+
+
+def test_gpu_dockerfile():
+    text = (DOCKER / "gpu.Dockerfile").read_text()
+    assert text.startswith("#") and "FROM python:3.11-slim" in text
+    assert re.search(r"^USER 10001", text, re.M)
+    assert 'ENTRYPOINT ["kvtier", "server"]' in text
+    for folder in PACKAGE_FOLDERS:
+        assert f"COPY {folder} /src/{folder}" in text
+    assert re.search(r'^RUN pip install "/src\[gpu\]"', text, re.M)
+    assert any(d.startswith("cupy-cuda") for d in PYPROJECT["project"]["optional-dependencies"]["gpu"])
+    ignore = (DOCKER / "gpu.Dockerfile.dockerignore").read_text()
+    assert ignore == (DOCKER / "Dockerfile.dockerignore").read_text()
+
+
+def test_compose_gpu_wiring():
+    compose = yaml.safe_load((DOCKER / "compose.gpu.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"kvtier", "vllm"}
+    kv, vllm = services["kvtier"], services["vllm"]
+    assert (REPO / kv["build"]["dockerfile"]) == DOCKER / "gpu.Dockerfile"
+    # One IPC and one PID namespace for CUDA IPC; vllm in kvtier's network namespace (loopback TCP).
+    for svc in (kv, vllm):
+        assert svc["ipc"] == "host" and svc["pid"] == "host"
+    assert vllm["network_mode"] == "service:kvtier" and "ports" not in vllm
+    assert vllm["depends_on"]["kvtier"]["condition"] == "service_healthy"
+
+    def gpus(svc: dict) -> dict:
+        (dev,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"]
+        return dev
+
+    assert gpus(kv)["count"] == "all"  # every GPU of the host
+    assert gpus(vllm)["count"] == 1
+    assert kv["environment"]["NVIDIA_VISIBLE_DEVICES"] == "all"
+    assert kv["ulimits"]["memlock"] == -1  # page-locking L1
+    # Both mount one tmpfs volume at /dev/shm: larger than L1, owned by vllm's uid as well.
+    for svc in (kv, vllm):
+        assert "kvtier-shm:/dev/shm" in svc["volumes"]
+    opts = compose["volumes"]["kvtier-shm"]["driver_opts"]
+    assert opts["type"] == "tmpfs"
+    o = dict(item.split("=", 1) for item in opts["o"].split(","))
+    l1 = float(kv["environment"]["KVTIER_L1_SIZE_GB"])
+    assert float(o["size"].rstrip("g")) > l1
+    assert o["uid"] == vllm["user"].split(":")[0]
+    cfg = json.loads(next(a.split("=", 1)[1] for a in vllm["command"] if a.startswith("--kv-transfer-config=")))
+    assert cfg["kv_connector_module_path"] == "kvtier.connector.vllm"
+    assert cfg["kv_connector_extra_config"]["kvtier.url"] == f"tcp://127.0.0.1:{kv['environment']['KVTIER_PORT']}"
+    # vLLM's image installs the connector from every package folder of this checkout.
+    inline = vllm["build"]["dockerfile_inline"]
+    for folder in PACKAGE_FOLDERS:
+        assert f"COPY {folder} /opt/kvtier-src/{folder}" in inline
+    assert "pip install --no-cache-dir /opt/kvtier-src" in inline
 
 
 def test_prometheus_config():

@@ -277,3 +277,13 @@ def test_lookup_result_skips_lower_tiers_slower_than_recompute():
     assert r.tokens_faster_than(2e9) == 64  # L2 is slower: only the L1 prefix
     unknown = LookupResult([], [4, 4], ["l1", "l2"], 16, {"l2": 0.0})
     assert unknown.tokens_faster_than(2e9) == 128  # not measured yet: load
+
+
+def test_lookup_result_drops_a_remote_run_prefill_beats_by_its_round_trip():
+    # 6 remote blocks of 16 tokens = 96 tokens; at 10,000 prefill tokens/s they compute in 9.6 ms
+    r = LookupResult([], [4, 4, 2], ["l1", "remote", "remote"], 16, {"remote": 1e9}, {"remote": 0.02})
+    assert r.tokens_faster_than(5e8, 10_000) == 64  # a 20 ms round trip is slower: only the L1 prefix
+    assert r.tokens_faster_than(5e8, 1_000) == 160  # 96 ms of prefill: the round trip pays
+    assert r.tokens_faster_than(5e8) == 160  # no prefill rate given: the round trip is not weighed
+    fast = LookupResult([], [4, 6], ["l1", "remote"], 16, {"remote": 1e9}, {"remote": 0.001})
+    assert fast.tokens_faster_than(5e8, 10_000) == 160
