@@ -23,23 +23,25 @@ def version() -> str:
         return "unknown"
 
 
-@router.get("/healthz", summary="readiness: L1 mapped, L2 usable")
+@router.get("/healthz", summary="readiness: L1 mapped, L2 usable (a remote tier that is down: degraded, ready)")
 async def healthz(cache: CacheDep, daemon: DaemonDep) -> JSONResponse:
     checks = {"l1_mapped": not daemon.segment.buf.closed}
     reasons = {"l1_mapped": "the L1 segment is not mapped"}
-    tier_checks, tier_reasons = cache.health()
+    tier_checks, tier_reasons, degraded = cache.health()
     checks.update(tier_checks)
     reasons.update(tier_reasons)
     ready = all(checks.values())
     body: dict[str, Any] = {"ok": ready, "checks": checks}
     if not ready:
         body["reasons"] = {name: reasons[name] for name, ok in checks.items() if not ok}
+    if degraded:
+        body["degraded"] = degraded
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/status", summary="capacity, usage, namespaces, clients and policy")
 async def status(request: Request, cache: CacheDep, daemon: DaemonDep) -> dict:
-    store, holds, l2 = cache.store, cache.holds, cache.tier("l2")
+    store, holds, l2, remote = cache.store, cache.holds, cache.tier("l2"), cache.tier("remote")
     return {
         "version": version(),
         "uptime_s": round(time.monotonic() - request.app.state.started, 3),
@@ -49,6 +51,7 @@ async def status(request: Request, cache: CacheDep, daemon: DaemonDep) -> dict:
         "log_level": logging.getLevelName(logging.getLogger().level).lower(),
         "l1": {**cache.l1_status(), "shm_name": daemon.segment.name, "shm_dir": daemon.segment.directory},
         "l2": l2.stats() if l2 is not None else {"l2_enabled": False},
+        "remote": remote.stats() if remote is not None else {"remote_enabled": False},
         "namespaces": cache.namespace_stats(),
         "clients": cache.client_stats(),
         "gpu": daemon.gpu.status(),

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_vali
 MAX_KEYS = 65536
 MAX_TOKENS = 1 << 20
 LOG_LEVELS = ("debug", "info", "warning", "error")
-TIERS = ("l1", "l2")
+TIERS = ("l1", "l2", "remote")
 
 HexKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{32}$")]
 TokenId = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]

@@ -45,13 +45,17 @@ print(f"[vllm_env] ok ({sys.argv[2]}): vllm {md.version('vllm')} torch {md.versi
 EOF
 }
 
+# Test tools the vLLM venv needs besides kvtier: tests/unit/test_gpu_memory.py runs here (it needs torch),
+# started by tests/e2e/test_torch_unit_tests.py.
+TEST_TOOLS=("pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100")
+
 install_kvtier() {
     log "installing kvtier (editable) from $REPO_DIR"
-    "$PY" -m pip install --quiet --no-input -e "$REPO_DIR" >&2
+    "$PY" -m pip install --quiet --no-input -e "$REPO_DIR" "${TEST_TOOLS[@]}" >&2
 }
 
-# kvtier's dependencies as declared: when they change, the editable install is redone to pull them in.
-DEPS="$(sha256sum "$REPO_DIR/pyproject.toml" | cut -c1-16)"
+# kvtier's dependencies as declared (and the test tools): when they change, the editable install is redone.
+DEPS="$( (cat "$REPO_DIR/pyproject.toml"; printf '%s\n' "${TEST_TOOLS[@]}") | sha256sum | cut -c1-16)"
 
 write_stamp() {
     printf 'vllm=%s\nrepo=%s\ndeps=%s\n' "$VLLM_VERSION" "$REPO_DIR" "$DEPS" >"$STAMP.tmp"

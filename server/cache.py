@@ -83,9 +83,8 @@ class Cache:
                 break
             if found.hits and not continues(found.hits[-1][1], chunks[len(found.hits) - 1], ns.blocks_per_chunk):
                 break  # the prefix ended inside a chunk
-            before = len(found.hits)
-            self._extend(tier, fp, chunks, found, ns.blocks_per_chunk)
-            if len(found.hits) == before:
+            self._extend(tier, fp, chunks, found, ns.blocks_per_chunk)  # or none: the next tier may have it
+            if found.pending:
                 break
         self._count(found, chunks, ns.block_size, all_l1=len(found.hits) == in_l1)
         return found
@@ -113,7 +112,7 @@ class Cache:
         meanwhile, so room made for promotions cannot evict it."""
         store, promotions = self.store, tier.promotions
         rest = chunks[len(found.hits):]
-        records = tier.tier.find_prefix(rest)
+        records = tier.tier.find_prefix(rest, fp)
         if records is None:
             found.pending = True
             return
@@ -198,12 +197,19 @@ class Cache:
         found_below = sum(done[t.name]["entries"] for t in below)
         return Cleared(done, not registered and bool(below) and found_below == 0)
 
-    def health(self) -> tuple[dict[str, bool], dict[str, str]]:
+    def health(self) -> tuple[dict[str, bool], dict[str, str], dict[str, str]]:
+        """Per tier needed for readiness: (ok, why not); and the tiers that are down but do not make the server
+        unready (a shared network tier), with why: the degraded ones."""
         checks: dict[str, bool] = {}
         reasons: dict[str, str] = {}
+        degraded: dict[str, str] = {}
         for tier in self.tiers:
-            checks[tier.name], reasons[tier.name] = tier.health()
-        return checks, reasons
+            ok, why = tier.health()
+            if tier.tier.required_for_readiness:
+                checks[tier.name], reasons[tier.name] = ok, why
+            elif not ok:
+                degraded[tier.name] = why
+        return checks, reasons, degraded
 
     # -- status ----------------------------------------------------------------------------------
 

@@ -16,6 +16,10 @@ TOOLS = {
     ("bench", "datapath"): ("kvtier.server.bench.datapath", "copy path vs raw memcpy of the same bytes"),
     ("bench", "lookup"): ("kvtier.server.bench.lookup", "lookup round trip vs a bare ZeroMQ+msgpack echo"),
     ("bench", "l2"): ("kvtier.server.bench.l2", "L2 tier write/read vs raw file I/O; L2 promotion vs L1 hit"),
+    ("bench", "adopt"): ("kvtier.server.bench.adopt", "warm restart of a full L1: time to ready and first hit; "
+                         "the journal's cost on the store path"),
+    ("bench", "remote"): ("kvtier.server.bench.remote",
+                          "remote tier GET/SET vs the raw glide client; L1 hits and stores with Redis stopped"),
     ("status",): ("kvtier.admin_api.status_cli", "summarise a running server's admin /status"),
 }
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
 from kvtier.server.eviction import DEFAULT_POLICY, POLICIES
 from kvtier.shm.segment import tmpfs_options
@@ -36,6 +38,11 @@ class ServerConfig:
     client_timeout_s: float = _opt(15.0, "seconds without a request or heartbeat before a client is dropped")
     l1_prefault: bool = _opt(True, "back all of L1 with memory in the background at start-up, so that no "
                                    "store pays first-touch page faults (the L1 memory is committed at once)")
+    l1_adopt: bool = _opt(True, "warm restart: at start, adopt the L1 segment a stopped or killed server left (same "
+                                "name, size and page size) and serve its chunks again; a clean stop then keeps "
+                                "the segment and its journal (docs/warm-restart.md)")
+    l1_discard: bool = _opt(False, "start with an empty L1 this time even if the old one could be adopted (its "
+                                   "segment is removed and its memory freed)")
     shm_dir: str = _opt("/dev/shm", "tmpfs directory of the L1 segment; a tmpfs mounted with huge=within_size "
                                     "gives L1 huge pages (docs/operations.md)")
     shm_name: str = _opt("", "shared-memory segment name in --shm-dir (default kvtier-<port>)")
@@ -49,6 +56,19 @@ class ServerConfig:
     l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (aligned buffers; buffered if the filesystem refuses it)")
     l2_queue_depth: int = _opt(1024, "chunks the L2 write-behind queue holds before L2 copies are dropped")
     l2_eviction_policy: str = _opt("lru", "eviction policy of the L2 tier", choices=sorted(POLICIES))
+    remote_url: str = _opt("", "Redis >= 7 / Valkey >= 8 remote tier shared by nodes: redis://[user:password@]"
+                                "host:port[/db], rediss:// for TLS, redis+cluster://host:port,host:port,... "
+                                "(rediss+cluster:// for TLS) for a Cluster (empty: no remote tier)", secret=True)
+    remote_prefix: str = _opt("kvtier", "first part of every remote key; nodes share chunks under one prefix")
+    remote_ttl_s: float = _opt(86400.0, "seconds a remote chunk lives after it is written (0: no TTL; the store's "
+                                        "maxmemory policy then must be allkeys-*)")
+    remote_timeout_ms: int = _opt(200, "floor of every remote call's timeout in ms; a transfer gets 4x its time at "
+                                       "the measured bandwidth when that is longer")
+    remote_queue_depth: int = _opt(256, "chunks the remote write-behind queue holds before remote copies are dropped")
+    remote_breaker_threshold: int = _opt(5, "consecutive failed calls (timeouts, lost connections) to one remote node "
+                                            "that open its circuit breaker")
+    remote_breaker_reset_s: float = _opt(5.0, "seconds an open breaker waits before a PING probes its node; while "
+                                              "open, the node's reads are misses and its writes are dropped")
     gpu_pin_piece_mb: int = _opt(256, "GPU engines: L1 is page-locked (cudaHostRegister) in pieces of this many "
                                       "MiB; no DMA entry crosses a piece")
     gpu_op_timeout_s: float = _opt(10.0, "GPU engines: seconds a copy may take (event wait included) before its "
@@ -104,6 +124,75 @@ class ServerConfig:
             raise ValueError("--gpu-pin-piece-mb, --gpu-op-timeout-s and --gpu-watchdog-s must be positive")
         if self.l2_path and (self.l2_bytes <= 0 or self.l2_queue_depth <= 0):
             raise ValueError("--l2-size-gb and --l2-queue-depth must be positive when --l2-path is set")
+        if self.remote_url:
+            self._validate_remote()
+
+    def _validate_remote(self) -> None:
+        parse_remote_url(self.remote_url)
+        if not _PREFIX_RE.fullmatch(self.remote_prefix):
+            raise ValueError("--remote-prefix must be 1-64 of A-Z a-z 0-9 _ - . (it is matched by SCAN patterns)")
+        if self.remote_ttl_s < 0 or (0 < self.remote_ttl_s < 0.001):
+            raise ValueError("--remote-ttl-s must be 0 (no TTL) or at least 0.001")
+        if self.remote_timeout_ms <= 0 or self.remote_queue_depth <= 0:
+            raise ValueError("--remote-timeout-ms and --remote-queue-depth must be positive")
+        if self.remote_breaker_threshold < 1 or self.remote_breaker_reset_s <= 0:
+            raise ValueError("--remote-breaker-threshold must be at least 1 and --remote-breaker-reset-s positive")
+
+
+_PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (False, True),
+            "rediss+cluster": (True, True)}  # scheme -> (TLS, cluster)
+DEFAULT_REDIS_PORT = 6379
+
+
+@dataclass(frozen=True)
+class RemoteUrl:
+    """A parsed --remote-url: the nodes to connect to (a Cluster's are seeds), TLS, credentials, database."""
+
+    nodes: tuple[tuple[str, int], ...]
+    tls: bool = False
+    cluster: bool = False
+    username: str = ""
+    password: str = field(default="", repr=False)
+    db: int = 0
+
+    def redacted(self) -> str:
+        """The URL without its password, for logs and messages."""
+        scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
+        user = f"{self.username}@" if self.username else ""
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
+        return f"{scheme}://{user}{hosts}" + (f"/{self.db}" if self.db else "")
+
+
+def parse_remote_url(url: str) -> RemoteUrl:
+    """--remote-url's value; ValueError (never showing the password) when it is not one of the documented forms."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in _SCHEMES:
+        raise ValueError("--remote-url must start with redis://, rediss://, redis+cluster:// or rediss+cluster://")
+    tls, cluster = _SCHEMES[scheme.lower()]
+    userinfo, _, rest = rest.rpartition("@")
+    hosts, _, db_text = rest.partition("/")
+    username, _, password = userinfo.partition(":")
+    nodes = tuple(_host_port(h) for h in hosts.split(","))
+    if not cluster and len(nodes) > 1:
+        raise ValueError("--remote-url names several hosts: use redis+cluster:// (or rediss+cluster://) for a Cluster")
+    if (db_text and not db_text.isdigit()) or (cluster and db_text.strip("0")):
+        raise ValueError("--remote-url: the database (after /) must be a non-negative integer, and 0 for a Cluster")
+    db = int(db_text) if db_text else 0
+    return RemoteUrl(nodes, tls, cluster, unquote(username), unquote(password), db)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    if text.startswith("["):  # [IPv6]:port
+        host, _, port = text[1:].partition("]")
+        port = port.removeprefix(":")
+    else:
+        host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
+    if not host or any(c in host for c in " /?#[]"):
+        raise ValueError(f"--remote-url: bad host {text!r}")
+    if port and not (port.isdigit() and 0 < int(port) < 65536):
+        raise ValueError(f"--remote-url: the port of {host} must be in 1..65535")
+    return host, int(port) if port else DEFAULT_REDIS_PORT
 
 
 def env_name(name: str) -> str:

@@ -1,4 +1,5 @@
-"""The daemon's lifecycle: map L1, serve ZeroMQ (and the admin API) on one uvloop loop, shut down cleanly."""
+"""The daemon's lifecycle: map L1 (adopting the one a previous daemon left, l1/adopt.py), serve ZeroMQ (and the
+admin API) on one uvloop loop, shut down cleanly."""
 
 from __future__ import annotations
 
@@ -19,15 +20,14 @@ from kvtier.server.cache import Cache
 from kvtier.server.config import ServerConfig
 from kvtier.server.eviction import make_policy
 from kvtier.server.gpu_ops import GpuOps
+from kvtier.server.l1.adopt import L1Files, open_l1
 from kvtier.server.l1.holds import Holds
-from kvtier.server.l1.pool import PagePool
-from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import GpuMetrics, Metrics
 from kvtier.server.rpc import RequestHandler
 from kvtier.server.tiers import make_tiers
 from kvtier.server.transfer.copiers import Copiers, CopiersConfig
 from kvtier.shm.client_lock import LockDirectory
-from kvtier.shm.segment import Segment, tmpfs_options
+from kvtier.shm.segment import tmpfs_options
 
 log = logging.getLogger("kvtier.server")
 
@@ -49,18 +49,21 @@ class Daemon:
         self._service_factories = list(services)
         self.metrics = Metrics()
         num_pages = config.l1_bytes // config.page_size
-        self.segment = Segment.create(config.segment_name, num_pages * config.page_size, int(config.shm_mode, 8),
-                                      config.shm_dir)
+        self.l1 = open_l1(L1Files(config.segment_name, config.shm_dir, int(config.shm_mode, 8)), num_pages,
+                          config.page_size, make_policy(config.eviction_policy), self.metrics, adopt=config.l1_adopt,
+                          discard=config.l1_discard, quarantine_s=config.reservation_ttl_s)
+        log.info("%s", self.l1.outcome)
+        self.segment = self.l1.segment
         self.locks = LockDirectory(config.shm_dir, self.segment.name)
         self.locks.sweep()  # lock files of clients of an earlier server that died
-        store = L1Store(PagePool(num_pages, config.page_size), make_policy(config.eviction_policy), self.metrics)
+        store = self.l1.store
         holds = Holds(store, self.metrics, lease_ttl_s=config.lease_ttl_s, reservation_ttl_s=config.reservation_ttl_s,
-                      client_timeout_s=config.client_timeout_s, locks=self.locks)
+                      client_timeout_s=config.client_timeout_s, locks=self.locks, first_id=time.time_ns() // 1000)
         try:
             self.cache = Cache(store, holds, self.metrics, make_tiers(config, store, self.segment.array(), self.metrics))
             self.cache.open()  # lower tiers' index scans run before the server reports ready
         except BaseException:
-            self.segment.close()
+            self.l1.abandon()
             raise
         self.gpu_metrics = GpuMetrics(self.metrics)
         self._copier_restarts: dict[str, int] = {}
@@ -120,9 +123,9 @@ class Daemon:
         finally:
             sock.close(0)
             ctx.term()
-            self.segment.close()
+            outcome = self.l1.close()
             self.locks.sweep()
-            log.info("kvtier server stopped; shared-memory segment removed")
+            log.info("kvtier server stopped; %s", outcome)
 
     async def _receive(self, sock: zmq.Socket) -> None:
         """Serve requests from the socket's file descriptor until cancelled.
@@ -219,7 +222,7 @@ class Daemon:
         if self._signals > 1:
             log.warning("second signal: exiting now")
             with contextlib.suppress(Exception):
-                self.segment.close()
+                self.l1.abandon()  # a journaled L1 stays adoptable: its journal is current
             os._exit(1)
         log.info("received %s", signal.Signals(sig).name)
         self._stop.set()

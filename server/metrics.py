@@ -62,6 +62,16 @@ class Metrics:
         self.entries = Gauge("kvtier_entries", "Chunks stored, by tier", ["tier"], registry=r)
         self.pinned_bytes = Gauge("kvtier_pinned_bytes", "L1 bytes of pinned chunks", registry=r)
         self.clients = Gauge("kvtier_clients_connected", "Registered clients", registry=r)
+        self.l1_adopted = Gauge("kvtier_l1_adopted_chunks", "Chunks adopted at start from the L1 the previous "
+                                "server left (warm restart)", registry=r)
+        self.l1_quarantined = Gauge(
+            "kvtier_l1_quarantined_bytes", "L1 bytes of an adopted L1 that the previous server's writers may "
+            "still touch, kept from reuse until --reservation-ttl-s after the start", registry=r,
+        )
+        self.l1_journal_bytes = Gauge("kvtier_l1_journal_bytes", "Bytes of the L1 journal's log (snapshot and "
+                                      "records since)", registry=r)
+        self.l1_journal_compactions = Counter("kvtier_l1_journal_compactions", "Times the L1 journal's log was "
+                                              "replaced by a snapshot of the live state", registry=r)
 
     def _timings_and_info(self, r: CollectorRegistry) -> None:
         self.request_latency = Histogram(
@@ -109,41 +119,88 @@ class Metrics:
 
 
 class L2Metrics:
-    """The disk tier's own metrics (names kvtier_l2_*), registered when L2 is configured."""
+    """A lower tier's own metrics (names kvtier_<TIER>_*): the disk tier's, registered when L2 is configured.
+    What AttachedTier and Promotions count; RemoteMetrics is the remote tier's, with a few more."""
+
+    TIER = "l2"
+    TITLE = "L2"
+    USED = "L2 bytes in use (chunk files, headers included)"
+    CAPACITY = "L2 capacity"
+    WRITTEN = "Chunks whose L2 file is durable, since the server started"
+    CORRUPT = "L2 chunk files found corrupt and removed"
 
     def __init__(self, metrics: Metrics) -> None:
         r = metrics.registry
-        self.used = Gauge("kvtier_l2_used_bytes", "L2 bytes in use (chunk files, headers included)", registry=r)
-        self.capacity = Gauge("kvtier_l2_capacity_bytes", "L2 capacity", registry=r)
-        self.queue_depth = Gauge("kvtier_l2_queue_depth", "Chunks waiting in the L2 write-behind queue", registry=r)
-        self.dropped = Counter("kvtier_l2_dropped_writes", "L2 copies dropped because the queue was full", registry=r)
-        self.corrupt = Counter("kvtier_l2_corrupt_chunks", "L2 chunk files found corrupt and removed", registry=r)
-        self.written = Gauge(
-            "kvtier_l2_written_chunks", "Chunks whose L2 file is durable, since the server started", registry=r
-        )
-        self.promoted = Counter("kvtier_l2_promotions", "L2 chunks promoted to L1 by lookups", registry=r)
+        p, t = f"kvtier_{self.TIER}", self.TITLE
+        self.used = Gauge(f"{p}_used_bytes", self.USED, registry=r)
+        self.capacity = Gauge(f"{p}_capacity_bytes", self.CAPACITY, registry=r)
+        self.queue_depth = Gauge(f"{p}_queue_depth", f"Chunks waiting in the {t} write-behind queue", registry=r)
+        self.dropped = Counter(f"{p}_dropped_writes", f"{t} copies dropped because the queue was full", registry=r)
+        self.corrupt = Counter(f"{p}_corrupt_chunks", self.CORRUPT, registry=r)
+        self.written = Gauge(f"{p}_written_chunks", self.WRITTEN, registry=r)
+        self.promoted = Counter(f"{p}_promotions", f"{t} chunks promoted to L1 by lookups", registry=r)
         self.promotion_failures = Counter(
-            "kvtier_l2_promotion_failures", "L2 promotions whose file was missing or corrupt (served as misses)",
+            f"{p}_promotion_failures", f"{t} promotions whose copy was missing or corrupt (served as misses)",
             registry=r,
         )
         self.promoting_bytes = Gauge(
-            "kvtier_l2_promoting_bytes", "L1 bytes held by promotions from L2 still in flight", registry=r
+            f"{p}_promoting_bytes", f"L1 bytes held by promotions from {t} still in flight", registry=r
         )
         self.promotions_capped = Counter(
-            "kvtier_l2_promotions_capped", "L2 hits not promoted (nor reported) because of the in-flight cap",
+            f"{p}_promotions_capped", f"{t} hits not promoted (nor reported) because of the in-flight cap",
             registry=r,
         )
         self.promotion_waits = Counter(
-            "kvtier_l2_promotion_waits", "Acquires that had to wait for an in-flight promotion", registry=r
+            f"{p}_promotion_waits", "Acquires that had to wait for an in-flight promotion", registry=r
         )
         self.promotions_expired = Counter(
-            "kvtier_l2_promotions_expired", "L2 promotions abandoned at their deadline (served as misses)",
+            f"{p}_promotions_expired", f"{t} promotions abandoned at their deadline (served as misses)",
             registry=r,
         )
         self.clear_failures = Counter(
-            "kvtier_l2_clear_failures", "L2 files a cache clear could not remove (forgotten, never served)",
+            f"{p}_clear_failures", f"{t} chunks a cache clear could not remove (forgotten, never served)",
             registry=r,
         )
+
+
+class RemoteMetrics(L2Metrics):
+    """The remote (Redis/Valkey) tier's metrics (names kvtier_remote_*), registered with --remote-url."""
+
+    TIER = "remote"
+    TITLE = "Remote"
+    USED = "Bytes the remote store reports in use (INFO used_memory summed over its masters; refreshed every few s)"
+    CAPACITY = "The remote store's maxmemory summed over its masters (0: no limit set)"
+    WRITTEN = "Chunks this node wrote to the remote store, since the server started"
+    CORRUPT = "Remote chunks whose header, part sizes or checksum did not verify (never served; header deleted)"
+
+    def __init__(self, metrics: Metrics) -> None:
+        super().__init__(metrics)
+        r = metrics.registry
+        self.missing = Counter(
+            "kvtier_remote_missing_chunks", "Remote chunks read with a part or the header missing (evicted or "
+            "expired; never served; header deleted)", registry=r,
+        )
+        self.pending = Counter(
+            "kvtier_remote_pending_lookups", "Lookups that reached a chunk the remote tier did not know yet (a "
+            "probe runs; the reply says pending)", registry=r,
+        )
+        self.existing = Counter(
+            "kvtier_remote_existing_writes", "Remote writes skipped because the chunk was there (another node "
+            "wrote it)", registry=r,
+        )
+        self.timeouts = Counter("kvtier_remote_timeouts", "Remote calls that timed out, by operation", ["op"],
+                                registry=r)
+        self.errors = Counter("kvtier_remote_errors", "Remote calls that failed otherwise (connection, server "
+                              "error), by operation", ["op"], registry=r)
+        self.rejected = Counter(
+            "kvtier_remote_rejected_calls", "Remote calls not made because the node's circuit breaker was open "
+            "(reads: misses, writes: dropped), by operation", ["op"], registry=r,
+        )
+        self.breaker_open = Gauge("kvtier_remote_breaker_open", "1 while the circuit breaker of a remote node is "
+                                  "open (its calls are misses and dropped writes), else 0", ["node"], registry=r)
+        for op in ("get", "put", "probe"):
+            for counter in (self.timeouts, self.errors, self.rejected):
+                counter.labels(op)
 
 
 class GpuMetrics:

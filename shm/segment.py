@@ -4,7 +4,8 @@ mapped by local clients.
 Plain `os.open` + `mmap` instead of multiprocessing.shared_memory: the latter registers every attach
 with Python's resource tracker, which unlinks the segment when a *client* exits (Python < 3.13).
 The owner holds an exclusive flock on the segment for its lifetime, so a segment whose owner was
-killed is recognisable (the lock is free) and removed at the next start.
+killed or stopped is recognisable (the lock is free): the next owner either removes it (`create`) or takes
+it over with its bytes (`adopt`, a warm restart: docs/warm-restart.md).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import fcntl
 import mmap
 import os
 import re
+import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +30,10 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 class SegmentInUse(RuntimeError):
     """Another live process owns a segment of that name."""
+
+
+class SegmentMismatch(RuntimeError):
+    """A segment left by a dead owner that cannot be adopted as it is (its size, file type or owner)."""
 
 
 def _path(name: str, directory: str = SHM_DIR) -> str:
@@ -85,6 +91,33 @@ class Segment:
         return cls(name, size, fd, buf, owner=True, directory=directory)
 
     @classmethod
+    def adopt(cls, name: str, size: int, mode: int = 0o600, directory: str = SHM_DIR) -> Segment:
+        """Take over, bytes and all, a segment whose owner is gone: its lock is taken as `create` would.
+
+        FileNotFoundError when there is none; SegmentInUse when a live owner holds it; SegmentMismatch (the
+        file left as it is) when it is not a regular file of this user of exactly `size` bytes.
+        """
+        fd = os.open(_path(name, directory), os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            _lock(fd, _path(name, directory))
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise SegmentMismatch(f"{name} is not a regular file of this user")
+            if info.st_size != size:
+                raise SegmentMismatch(f"{name} has {info.st_size} bytes, not {size}")
+            os.fchmod(fd, mode)
+            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, size, fd, buf, owner=True, directory=directory)
+
+    @property
+    def inode(self) -> int:
+        """The file's inode number: tells this segment from another of the same name created later."""
+        return os.fstat(self.fd).st_ino
+
+    @classmethod
     def attach(cls, name: str, size: int, directory: str = SHM_DIR) -> Segment:
         """Map an existing segment read-write; `size` must match what the owner announced."""
         fd = os.open(_path(name, directory), os.O_RDWR)
@@ -111,18 +144,32 @@ class Segment:
             progress(done)
         return True
 
+    def give_back(self, ranges: Iterable[tuple[int, int]]) -> int:
+        """Return the memory of the whole OS pages inside each (start, end) byte range to the OS (a hole in
+        the tmpfs file: they read as zeros and are backed again when written); returns the bytes given."""
+        os_page = mmap.PAGESIZE
+        given = 0
+        for run_start, run_end in ranges:
+            start, end = -(-run_start // os_page) * os_page, run_end // os_page * os_page
+            if end > start:
+                self.buf.madvise(mmap.MADV_REMOVE, start, end - start)
+                given += end - start
+        return given
+
     def array(self) -> np.ndarray:
         """A uint8 view of the whole mapping (no copy)."""
         return np.frombuffer(self.buf, dtype=np.uint8)
 
-    def close(self) -> None:
-        """Unmap; the owner also unlinks the segment and drops its lock."""
+    def close(self, keep: bool = False) -> None:
+        """Unmap; the owner also drops its lock and, unless `keep` (left for the next owner to adopt),
+        unlinks the segment."""
         # Views still exported (BufferError): leave the mapping to process exit rather than fail shutdown.
         with contextlib.suppress(BufferError):
             self.buf.close()
-        if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(_path(self.name, self.directory))
+        if self.owner and self.fd >= 0:
+            if not keep:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(_path(self.name, self.directory))
             os.close(self.fd)
             self.fd = -1
 
@@ -135,13 +182,18 @@ def remove_stale(name: str, directory: str = SHM_DIR) -> bool:
     except FileNotFoundError:
         return False
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise SegmentInUse(f"shared-memory segment {path} is owned by a running server") from exc
-            raise
+        _lock(fd, path)
         os.unlink(path)
         return True
     finally:
         os.close(fd)
+
+
+def _lock(fd: int, path: str) -> None:
+    """Take the owner lock of an open segment, or raise SegmentInUse while a live owner holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise SegmentInUse(f"shared-memory segment {path} is owned by a running server") from exc
+        raise

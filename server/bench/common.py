@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from kvtier.shm.segment import SHM_DIR, SegmentInUse, remove_stale
 
 READY_LINE = "kvtier server ready"
 
@@ -36,12 +37,15 @@ class ServerProcess:
     port: int
     startup_s: float
     log: list[str] = field(default_factory=list)
+    shm_name: str = ""
+    shm_dir: str = SHM_DIR
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM, then remove the L1 it kept for a next start (a bench's server is throwaway)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -49,14 +53,20 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        for name in (f"{self.shm_name}.journal", self.shm_name):  # the journal first, as the server does
+            with contextlib.suppress(SegmentInUse, OSError):
+                remove_stale(name, self.shm_dir)
 
 
 def start_server(l1_size_gb: float, extra: Sequence[str] = (), timeout: float = 60.0,
-                 http_port: int | None = 0) -> ServerProcess:
-    """Start `kvtier server` on a free port (own shm name) and wait for its ready line on stderr."""
-    port = free_port()
+                 http_port: int | None = 0, port: int = 0) -> ServerProcess:
+    """Start `kvtier server` on `port` (default: a free one) with its own shm name and wait for its ready line
+    on stderr. Its journal is on or off as `extra` or the environment say (KVTIER_L1_ADOPT); a restart on the
+    same port adopts what it left unless `stop()` removed it."""
+    port = port or free_port()
+    shm_name = f"kvtier-bench-{port}"
     cmd = [sys.executable, "-m", "kvtier.server.cli", "server", "--port", str(port),
-           "--l1-size-gb", repr(float(l1_size_gb)), "--shm-name", f"kvtier-bench-{port}", *extra]
+           "--l1-size-gb", repr(float(l1_size_gb)), "--shm-name", shm_name, *extra]
     if http_port is not None:
         cmd += ["--http-port", str(http_port)]
     started = time.perf_counter()
@@ -76,7 +86,9 @@ def start_server(l1_size_gb: float, extra: Sequence[str] = (), timeout: float = 
         if proc.poll() is not None or time.perf_counter() - started > timeout:
             proc.kill()
             raise RuntimeError("kvtier server did not become ready:\n" + "\n".join(lines[-20:]))
-    return ServerProcess(proc, f"tcp://127.0.0.1:{port}", port, time.perf_counter() - started, lines)
+    shm_dir = extra[list(extra).index("--shm-dir") + 1] if "--shm-dir" in extra else SHM_DIR
+    return ServerProcess(proc, f"tcp://127.0.0.1:{port}", port, time.perf_counter() - started, lines, shm_name,
+                         shm_dir)
 
 
 @contextlib.contextmanager

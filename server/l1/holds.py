@@ -74,7 +74,10 @@ class AcquiredChunk:
 class Holds:
     def __init__(self, store: L1Store, metrics: Metrics, lease_ttl_s: float = 30.0, reservation_ttl_s: float = 30.0,
                  client_timeout_s: float = 15.0, clock: Callable[[], float] = time.monotonic,
-                 locks: LockDirectory | None = None) -> None:
+                 locks: LockDirectory | None = None, first_id: int = 1) -> None:
+        """`first_id`: the first reservation and lease id. A daemon starts its ids where no earlier daemon's
+        can be (its start time in microseconds), so a commit or release of a predecessor's id, from a
+        client that lived through a restart, never names a holding of this one: it is refused."""
         self.store = store
         self.metrics = metrics
         self.lease_ttl_s = lease_ttl_s
@@ -87,7 +90,7 @@ class Holds:
         self.retired: dict[int, ClientState] = {}
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(first_id)
         # Told the ident of every client that is unregistered (retired, dropped, or saying hello again).
         self.on_client_gone: list[Callable[[bytes], None]] = []
 
@@ -300,9 +303,10 @@ class Holds:
 
     def sweep(self) -> None:
         """Lapse expired leases and reservations and the holdings of clients gone silent; free what dead
-        clients held back; forget namespaces nobody uses."""
+        clients held back and an adopted L1's quarantine once its time is up; forget namespaces nobody uses."""
         self.store.flush_touches()
         now = self.clock()
+        self.store.end_quarantine(now)
         for client in list(self.clients.values()):
             if self._dead(client):
                 self.drop_client(client.ident)

@@ -4,9 +4,14 @@ Every chunk takes ceil(size / page_size) pages anywhere in the segment, so an al
 whenever enough pages are free: there is no fragmentation failure, and the byte budget is exact in
 pages. Freed pages go back on a stack and are handed out together again, which keeps most chunks in
 one or two contiguous extents (the wire form of a page list).
+
+Every page that leaves or rejoins the free list is told to the pool's `log` first (the L1 journal,
+l1/journal.py), whoever asks: reservations, promotions, removed entries, quarantine.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import numpy as np
 
@@ -14,16 +19,27 @@ Extents = tuple[int, ...]
 """Flat (first_page, page_count, first_page, page_count, ...) runs of contiguous pages."""
 
 
+class PageLog(Protocol):
+    def allocated(self, extents: Extents) -> None: ...
+
+    def released(self, extents: Extents) -> None: ...
+
+
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, in_use: Extents = ()) -> None:
+        """`in_use`: pages that start allocated (those of an adopted L1)."""
         if num_pages <= 0 or page_size <= 0:
             raise ValueError("page pool needs a positive page count and page size")
         self.page_size = page_size
         self.segment_pages = num_pages  # pages the segment holds: the most the budget can grow to
         self.num_pages = num_pages  # the page budget (L1 capacity); set_budget() moves it
+        self.log: PageLog | None = None
         # Stack of free page ids; popping from the top hands out ascending runs first.
-        self._free = np.arange(num_pages - 1, -1, -1, dtype=np.int32)
-        self._top = num_pages
+        free = np.ones(num_pages, dtype=bool)
+        free[from_extents(in_use)] = False
+        self._free = np.zeros(num_pages, dtype=np.int32)
+        self._top = int(free.sum())
+        self._free[: self._top] = np.flatnonzero(free)[::-1]
 
     @property
     def free_pages(self) -> int:
@@ -54,14 +70,19 @@ class PagePool:
         if npages > self._top or npages > self.free_pages:
             return None
         pages = self._free[self._top - npages : self._top][::-1].copy()
+        extents = to_extents(pages)
+        if self.log is not None:
+            self.log.allocated(extents)
         self._top -= npages
-        return to_extents(pages)
+        return extents
 
     def release(self, extents: Extents) -> None:
         pages = from_extents(extents)
         n = len(pages)
         if self._top + n > self.segment_pages:
             raise RuntimeError("page pool over-release: accounting is broken")
+        if self.log is not None:
+            self.log.released(extents)
         self._free[self._top : self._top + n] = pages[::-1]
         self._top += n
 

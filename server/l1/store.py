@@ -4,6 +4,8 @@ All bookkeeping is O(1) per key. The server never touches chunk bytes here: clie
 reserved and out of pages they leased (l1/holds.py), promotions read lower-tier chunks into pages they got
 from `begin_insert` (tiers/promotion.py). The public surface is what the cache, the holds and promotions
 need: lookup, hold/unhold, make room, begin/complete/abandon an insert, busy, remove, clear, resize.
+A journaled L1 (l1/journal.py, warm restart) tells its journal of every commit and removal before it
+happens; an adopted one keeps the pages its predecessor's writers may still touch in quarantine a while.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kvtier.server import protocol as p
 from kvtier.server.eviction.base import EvictionPolicy
 from kvtier.server.index import PrefixIndex
 from kvtier.server.keys import Namespace
+from kvtier.server.l1.journal import L1Journal
 from kvtier.server.l1.pool import Extents, PagePool, extent_pages
 from kvtier.server.metrics import L1, Metrics
 
@@ -69,8 +72,16 @@ class L1Store:
         self.pinned_pages = 0
         self.backed_bytes = 0  # of the segment, known to have memory behind it (the daemon's prefault)
         self.prefault = "off"  # the daemon's L1 prefault: off, running, done or failed
+        self.journal: L1Journal | None = None  # told of every commit and removal (and, by the pool, of pages)
+        self.quarantined: Extents = ()  # pages an earlier daemon's writers may still touch (adopted L1)
+        self.quarantine_until = 0.0
         self._touch_backlog: list[list[tuple[Entry, int]]] = []
         metrics.l1_capacity.set(pool.num_pages * pool.page_size)
+
+    def attach_journal(self, journal: L1Journal) -> None:
+        """Journal from now on: commits and removals here, pages at the pool."""
+        self.journal = journal
+        self.pool.log = journal
 
     # -- namespaces ------------------------------------------------------------------------------
 
@@ -222,6 +233,8 @@ class L1Store:
     def insert(self, entry: Entry) -> Entry:
         """Make a chunk whose bytes are in its pages visible (a commit, or a promotion from a lower tier)."""
         self.flush_touches()
+        if self.journal is not None:
+            self.journal.committed(entry, self.namespaces.get(entry.ns))
         self.entries[entry.key] = entry
         for partial in self.index.superseded(entry.aliases, _key_of):
             if not partial.pins:  # the longer chunk serves the same leading blocks
@@ -235,6 +248,8 @@ class L1Store:
         return entry
 
     def remove(self, entry: Entry, reason: str) -> None:
+        if self.journal is not None:  # logged before any of its pages can go back to the pool
+            self.journal.removed(entry)
         del self.entries[entry.key]
         self.index.remove(entry, entry.key, entry.aliases)
         self.policy.remove(entry.key)
@@ -253,6 +268,21 @@ class L1Store:
             self.doomed[id(entry)] = entry
         else:
             self.pool.release(entry.extents)
+
+    def quarantine(self, extents: Extents, until: float) -> None:
+        """Keep `extents` (allocated) from reuse until `until` (the sweep's clock)."""
+        self.quarantined, self.quarantine_until = extents, until
+        self.metrics.l1_quarantined.set(extent_pages(extents) * self.pool.page_size)
+
+    def end_quarantine(self, now: float) -> int:
+        """Free the quarantined pages once their time is up; returns how many were freed."""
+        if not self.quarantined or now < self.quarantine_until:
+            return 0
+        extents, self.quarantined = self.quarantined, ()
+        self.pool.release(extents)
+        self.metrics.l1_quarantined.set(0)
+        self.update_gauges()
+        return extent_pages(extents)
 
     def clear(self, fp: bytes | None = None) -> tuple[int, int]:
         """Remove every entry (of one namespace); returns (entries, bytes). Held pages free on release."""
@@ -320,6 +350,15 @@ class L1Store:
     def set_policy(self, policy: EvictionPolicy) -> int:
         """Swap the eviction policy, re-inserting entries in the old policy's eviction order (next victim
         first, so it stays the coldest); returns the entries moved."""
+        order = self.drain_policy()
+        for key in order:
+            policy.insert(key, self.entries[key].size)
+        self.policy = policy
+        return len(order)
+
+    def drain_policy(self) -> list[bytes]:
+        """Every entry's key in the policy's eviction order (next victim first), emptying the policy: for
+        a new policy, or the journal's last snapshot at a clean stop."""
         self.flush_touches()
         old = self.policy
         order: list[bytes] = []
@@ -332,11 +371,7 @@ class L1Store:
             seen.add(key)
             if key in self.entries:
                 order.append(key)
-        order += [k for k in self.entries if k not in seen]
-        for key in order:
-            policy.insert(key, self.entries[key].size)
-        self.policy = policy
-        return len(order)
+        return order + [k for k in self.entries if k not in seen]
 
     # -- reporting -------------------------------------------------------------------------------
 

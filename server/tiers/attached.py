@@ -90,6 +90,9 @@ class AttachedTier:
         """Stop the promotion threads and the writer; promotions not committed give their pages back."""
         self.promotions.close(timeout)
         self.writer.stop(timeout)
+        close = getattr(self.tier, "close", None)  # a tier with threads or connections of its own (remote)
+        if close is not None:
+            close()
 
     # -- write-behind ----------------------------------------------------------------------------
 
@@ -137,27 +140,33 @@ class AttachedTier:
         return self.tier.health()
 
     def stats(self) -> dict:
-        t, promos = self.tier, self.promotions
-        return {
-            "l2_enabled": True,
-            "l2_entries": t.entries,
-            "l2_used_bytes": t.used_bytes,
-            "l2_capacity_bytes": t.capacity_bytes,
-            "l2_odirect": getattr(t, "odirect_active", False),  # O_DIRECT asked for and taken by the directory
-            "l2_queue_depth": self.writer.queue_depth,
-            "l2_inflight": self.writer.inflight,
-            "l2_written": getattr(t, "written", self.writer.done),
-            "l2_dropped_writes": self.writer.dropped,
-            "l2_cleared_writes": self.writer.stale,
-            "l2_corrupt_chunks": getattr(t, "corrupt", 0),
-            "l2_evictions": getattr(t, "evicted", 0),
-            "l2_promoted": promos.promoted,
-            "l2_promoting": promos.in_flight,
-            "l2_promoting_bytes": promos.promoting_pages * self.store.pool.page_size,
-            "l2_promotion_failures": promos.failures,
-            "l2_promotions_expired": promos.expired,
-            "l2_promotions_stuck": promos.stuck,
-            "l2_clear_failures": self.clear_failures,
-            "l2_read_bytes_per_s": self.read_bw.bytes_per_s,
-            "l2_write_bytes_per_s": self.write_bw.bytes_per_s,
+        """The tier's part of the `stats` op, keys prefixed with its name (`l2_...`, `remote_...`), plus what
+        the tier itself reports (`stats()`, where it has one)."""
+        t, promos, p = self.tier, self.promotions, self.name
+        out = {
+            f"{p}_enabled": True,
+            f"{p}_entries": t.entries,
+            f"{p}_used_bytes": t.used_bytes,
+            f"{p}_capacity_bytes": t.capacity_bytes,
+            f"{p}_queue_depth": self.writer.queue_depth,
+            f"{p}_inflight": self.writer.inflight,
+            f"{p}_written": getattr(t, "written", self.writer.done),
+            f"{p}_dropped_writes": self.writer.dropped,
+            f"{p}_cleared_writes": self.writer.stale,
+            f"{p}_corrupt_chunks": getattr(t, "corrupt", 0),
+            f"{p}_evictions": getattr(t, "evicted", 0),
+            f"{p}_promoted": promos.promoted,
+            f"{p}_promoting": promos.in_flight,
+            f"{p}_promoting_bytes": promos.promoting_pages * self.store.pool.page_size,
+            f"{p}_promotion_failures": promos.failures,
+            f"{p}_promotions_expired": promos.expired,
+            f"{p}_promotions_stuck": promos.stuck,
+            f"{p}_clear_failures": self.clear_failures,
+            f"{p}_read_bytes_per_s": self.read_bw.bytes_per_s,
+            f"{p}_write_bytes_per_s": self.write_bw.bytes_per_s,
         }
+        if hasattr(t, "odirect_active"):  # O_DIRECT asked for and taken by the directory
+            out[f"{p}_odirect"] = t.odirect_active
+        if hasattr(t, "stats"):
+            out.update(t.stats())
+        return out

@@ -64,12 +64,15 @@ class LowerTier(ABC):
         """Serving loop, non-blocking: whether the tier holds chunk `key` (as far as it knows now)."""
 
     @abstractmethod
-    def find_prefix(self, chunks: Sequence[Sequence[bytes]]) -> list[tuple[ChunkMeta, int]] | None:
+    def find_prefix(self, chunks: Sequence[Sequence[bytes]],
+                    ns: bytes | None = None) -> list[tuple[ChunkMeta, int]] | None:
         """Serving loop, non-blocking (from memory, no I/O): the longest run of consecutive `chunks` (each
         the list of its block-prefix keys, as in a lookup) this tier holds, from the first one, each as (the
         stored chunk holding the longest leading run of its keys, that run's length). The run stops at the
         first chunk not held and after the first partial match (a length under len(chunk)). Records of
         any namespace are returned: the caller checks `meta.ns`.
+
+        `ns`: the lookup's namespace fingerprint (a tier whose stored names carry it needs it to ask).
 
         None means "not known yet" (an asynchronous tier still asking its server): the caller treats it as
         no hit now."""
@@ -90,17 +93,25 @@ class LowerTier(ABC):
     def sync(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Writer thread: make completed puts durable (no-op where puts are durable already)."""
 
+    # Whether a tier that cannot take writes makes the server unready (/healthz 503). A shared network tier
+    # does not: an outage of it leaves the node serving from L1 and L2, and is reported as degraded.
+    required_for_readiness = True
+
     def health(self) -> tuple[bool, str]:
         """(ok, why not): whether the tier can take writes now. Default: always."""
         return True, ""
 
-    @property
-    @abstractmethod
-    def used_bytes(self) -> int: ...
+    # What the tier holds and may hold, in bytes: kept current by the tier in `_used` and `_capacity`.
+    _used = 0
+    _capacity = 0
 
     @property
-    @abstractmethod
-    def capacity_bytes(self) -> int: ...
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
 
     @property
     @abstractmethod

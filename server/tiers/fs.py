@@ -68,14 +68,6 @@ class FsTier(LowerTier):
     # -- accounting ------------------------------------------------------------------------------
 
     @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self._capacity
-
-    @property
     def entries(self) -> int:
         return len(self._index)
 
@@ -168,7 +160,7 @@ class FsTier(LowerTier):
     def contains(self, key: bytes) -> bool:
         return key in self._index
 
-    def find_prefix(self, chunks: Sequence[Sequence[bytes]]) -> list[tuple[ChunkMeta, int]]:
+    def find_prefix(self, chunks: Sequence[Sequence[bytes]], ns: bytes | None = None) -> list[tuple[ChunkMeta, int]]:
         """From memory (the prefix index, under the lock): per chunk, the record holding the longest leading
         run of its keys, up to the first chunk not held and through the first partial match."""
         out: list[tuple[ChunkMeta, int]] = []

@@ -313,8 +313,12 @@ def start_kvtier(
     env_extra: Mapping[str, str] | None = None,
     timeout: float = 60.0,
     name: str | None = None,
+    adopt: bool = False,
 ) -> Proc:
     """Start ``kvtier server`` and wait until it is ready.
+
+    `adopt`: let it adopt the L1 a previous server on this port left (warm restart). Off by default, so each
+    test's server starts empty and a clean stop removes its segment instead of keeping it for a successor.
 
     Ready = a log line containing "kvtier server ready" (preferred) or, failing that, a TCP connect to
     ``port`` succeeding.  Raises ProcessDied/TimeoutError with the log tail.
@@ -331,6 +335,7 @@ def start_kvtier(
         str(http_port),
         "--l1-size-gb",
         str(l1_size_gb),
+        *([] if adopt else ["--no-l1-adopt"]),
         *extra_args,
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "DO_NOT_TRACK": "1", **(env_extra or {})}
@@ -521,6 +526,19 @@ def wait_l2_drained(http_port: int, timeout: float = 60.0) -> dict:
             return s
         if time.monotonic() > deadline:
             raise RuntimeError(f"L2 writes not drained after {timeout} s: {s}")
+        time.sleep(0.2)
+
+
+def wait_remote_drained(http_port: int, timeout: float = 60.0) -> dict:
+    """Wait until kvtier's remote-tier writes are all in the store (none queued or in flight, something
+    written); its remote stats."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = kvtier_status(http_port)["remote"]
+        if s.get("remote_inflight") == 0 and s.get("remote_queue_depth") == 0 and s.get("remote_written", 0) > 0:
+            return s
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"remote writes not drained after {timeout} s: {s}")
         time.sleep(0.2)
 
 

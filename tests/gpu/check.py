@@ -103,7 +103,7 @@ class Daemon:
         self.segment_path = Path("/dev/shm") / f"kvtier-gpu-check-{os.getpid()}"
         self.log_path = work / "daemon.log"
         command = [sys.executable, "-m", "kvtier.server.cli", "server", "--port", str(self.port), "--shm-name",
-                   self.segment_path.name, *DAEMON_FLAGS]
+                   self.segment_path.name, "--no-l1-adopt", *DAEMON_FLAGS]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60

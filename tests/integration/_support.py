@@ -57,6 +57,7 @@ class ServerProc:
     log_path: Path
     proc: subprocess.Popen | None = None
     history: list[subprocess.Popen] = field(default_factory=list)
+    env: dict[str, str] | None = None  # added to this process's environment (e.g. PYTHONHASHSEED)
 
     @property
     def url(self) -> str:
@@ -74,7 +75,7 @@ class ServerProc:
         log = open(self.log_path, "ab")  # noqa: SIM115 - the child owns it
         offset = self.log_path.stat().st_size
         proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **self.env} if self.env else None)
         log.close()
         self.proc = proc
         self.history.append(proc)

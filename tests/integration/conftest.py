@@ -35,11 +35,11 @@ def kvtier_server(tmp_path):
     servers: list[ServerProc] = []
 
     def start(l1_gb: float = 0.25, extra: list[str] | None = None, port: int | None = None,
-              shm_name: str | None = None, wait: bool = True) -> ServerProc:
+              shm_name: str | None = None, wait: bool = True, env: dict[str, str] | None = None) -> ServerProc:
         port = port or free_port()
         name = shm_name or f"kvtier-test-{port}-{uuid.uuid4().hex[:8]}"
         srv = ServerProc(port, name, ["--l1-size-gb", str(l1_gb), *(extra or [])],
-                         tmp_path / f"server-{port}-{len(servers)}.log")
+                         tmp_path / f"server-{port}-{len(servers)}.log", env=env)
         srv.log_path.touch()
         servers.append(srv)
         srv.start(wait=wait)
@@ -48,8 +48,9 @@ def kvtier_server(tmp_path):
     yield start
     for srv in servers:
         srv.kill()
-    for srv in servers:  # a SIGKILLed server leaves its segment behind, and killed clients their lock files
-        for path in [srv.shm_path, *srv.shm_path.parent.glob(f"{srv.shm_name}.client-*")]:
+    for srv in servers:  # a killed or stopped server leaves its segment and journal, killed clients lock files
+        for path in [srv.shm_path, srv.shm_path.with_name(f"{srv.shm_name}.journal"),
+                     *srv.shm_path.parent.glob(f"{srv.shm_name}.client-*")]:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 

@@ -53,7 +53,7 @@ class Server:
         self.log_path = logdir / f"server-{self.port}.log"
         cmd = [sys.executable, "-m", "kvtier.server.cli", "server", "--port", str(self.port),
                "--http-port", str(self.http_port), "--http-host", http_host, "--l1-size-gb", str(l1_gb),
-               "--shm-name", self.shm_name, *args]
+               "--shm-name", self.shm_name, "--no-l1-adopt", *args]  # throwaway: no L1 kept at stop
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env or clean_env())
         self.url = f"http://127.0.0.1:{self.http_port}"

@@ -77,9 +77,9 @@ def test_threads_share_one_client_and_get_their_own_replies(kvtier_server):
 
 
 def l2_server(kvtier_server, tmp_path):
-    """A server whose L2 holds a large prompt that is not in L1 (stored, then the server restarted)."""
+    """A server whose L2 holds a large prompt that is not in L1 (stored, then the server restarted cold)."""
     srv = kvtier_server(l1_gb=0.5, extra=["--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "1",
-                                          "--l2-queue-depth", "512"])
+                                          "--l2-queue-depth", "512", "--no-l1-adopt"])
     big = prompt(1, N_BIG * NS.chunk_size)
     c = client(srv.url)
     assert store(c, big, BIG) == N_BIG

@@ -28,7 +28,9 @@ def payload_of(key: bytes, size: int = CHUNK_BYTES) -> np.ndarray:
 
 
 def l2_args(path, size_gb: float = 1.0, extra: list[str] | None = None) -> list[str]:
-    return ["--page-size-kb", "4", "--l2-path", str(path), "--l2-size-gb", str(size_gb), *(extra or [])]
+    """Restarts come back with an empty L1 (--no-l1-adopt): what is found again is L2's."""
+    return ["--page-size-kb", "4", "--l2-path", str(path), "--l2-size-gb", str(size_gb), "--no-l1-adopt",
+            *(extra or [])]
 
 
 def client(url: str, strict: bool = True, timeout: float = 10.0) -> KVTierClient:

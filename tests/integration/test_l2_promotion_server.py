@@ -58,7 +58,7 @@ def scrape(port: int) -> str:
 def test_promotion_overlaps_and_is_bit_exact_with_bandwidth_reported(kvtier_server, tmp_path):
     http = free_port()
     srv = kvtier_server(l1_gb=0.5, extra=["--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "1",
-                                          "--l2-queue-depth", "512", "--http-port", str(http)])
+                                          "--l2-queue-depth", "512", "--http-port", str(http), "--no-l1-adopt"])
     n_big = 112  # 112 MiB: under the in-flight cap (a quarter of L1)
     big = prompt(1, n_big * NS.chunk_size)
     small = [prompt(10 + i, 4 * NS.chunk_size) for i in range(3)]
@@ -111,7 +111,8 @@ def test_promotion_overlaps_and_is_bit_exact_with_bandwidth_reported(kvtier_serv
 
 def test_corrupt_file_found_at_promotion_is_a_counted_miss(kvtier_server, tmp_path):
     l2 = tmp_path / "l2"
-    srv = kvtier_server(l1_gb=0.0625, extra=["--page-size-kb", "4", "--l2-path", str(l2), "--l2-size-gb", "1"])
+    srv = kvtier_server(l1_gb=0.0625, extra=["--page-size-kb", "4", "--l2-path", str(l2), "--l2-size-gb", "1",
+                                             "--no-l1-adopt"])
     prompts = [prompt(40 + i, 2 * NS.chunk_size) for i in range(2)]
     c = client(srv.url)
     store_all(c, prompts, 16384)
@@ -152,7 +153,7 @@ time.sleep(600)
 
 def test_sigkilled_client_after_lookup_with_promotion_leaks_nothing(kvtier_server, tmp_path):
     srv = kvtier_server(l1_gb=0.0625, extra=["--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "1",
-                                             "--client-timeout-s", "2", "--lease-ttl-s", "60"])
+                                             "--client-timeout-s", "2", "--lease-ttl-s", "60", "--no-l1-adopt"])
     n = 20
     c = client(srv.url)
     store_all(c, [prompt(70, n * NS.chunk_size)], 100 * 1024)
@@ -208,7 +209,7 @@ def test_cache_clear_reaches_l2_by_scope(kvtier_server, tmp_path):
     known only to L2 (after a restart) is cleared there, and scope all empties both tiers and their files."""
     l2, http = tmp_path / "l2", free_port()
     srv = kvtier_server(l1_gb=0.0625, extra=["--page-size-kb", "4", "--l2-path", str(l2), "--l2-size-gb", "1",
-                                             "--http-port", str(http)])
+                                             "--http-port", str(http), "--no-l1-adopt"])
     ns_b = dataclasses.replace(NS, model="org/tiny-l2-other")
     p_a, p_b = prompt(70, 2 * NS.chunk_size), prompt(71, 2 * NS.chunk_size)
     c = client(srv.url)

@@ -44,7 +44,7 @@ def found_blocks(c: KVTierClient, tokens: np.ndarray) -> int:
 
 def test_shared_leading_block_survives_the_loss_of_one_holder_after_restart(kvtier_server, tmp_path):
     l2 = tmp_path / "l2"
-    srv = kvtier_server(l1_gb=0.0625, extra=["--l2-path", str(l2), "--l2-size-gb", "0.0625"])
+    srv = kvtier_server(l1_gb=0.0625, extra=["--l2-path", str(l2), "--l2-size-gb", "0.0625", "--no-l1-adopt"])
     doc = prompt(1, 3 * NS.block_size)  # chunk 0 (2 blocks) + the first block of chunk 1
     asks = [np.concatenate([doc, prompt(10 + q, NS.block_size)]) for q in range(3)]  # doc + question q
     c = KVTierClient(ClientConfig(url=srv.url, strict=True))

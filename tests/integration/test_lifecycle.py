@@ -41,7 +41,7 @@ def retrieve_ok(c: KVTierClient, tokens) -> int:
 
 
 def test_client_survives_server_kill_and_restart(kvtier_server):
-    srv = kvtier_server(l1_gb=0.0625)
+    srv = kvtier_server(l1_gb=0.0625, extra=["--no-l1-adopt"])  # a cold restart (warm: test_warm_restart.py)
     c = KVTierClient(ClientConfig(url=srv.url, connect_timeout_s=0.5, request_timeout_s=1.0, retry_backoff_s=0.2))
     tokens = prompt(3, N * NS.chunk_size)
     assert store(c, tokens).stored == N
@@ -90,7 +90,7 @@ def test_second_server_on_the_same_segment_fails_clearly(kvtier_server):
 
 
 def test_sigterm_exits_zero_and_removes_segment(kvtier_server):
-    srv = kvtier_server(l1_gb=0.0625)
+    srv = kvtier_server(l1_gb=0.0625, extra=["--no-l1-adopt"])  # an adopting server keeps it (test_warm_restart.py)
     c = KVTierClient(ClientConfig(url=srv.url, strict=True, request_timeout_s=1.0))
     tokens = prompt(5, 2 * NS.chunk_size)
     assert store(c, tokens).stored == 2
@@ -134,7 +134,7 @@ def test_segment_in_another_tmpfs_directory(kvtier_server, tmp_path):
     """--shm-dir puts L1 in another tmpfs directory (here one below /dev/shm); clients learn it in hello."""
     directory = Path(tempfile.mkdtemp(prefix="kvtier-test-dir-", dir="/dev/shm"))
     try:
-        srv = kvtier_server(l1_gb=0.0625, extra=["--shm-dir", str(directory)])
+        srv = kvtier_server(l1_gb=0.0625, extra=["--shm-dir", str(directory), "--no-l1-adopt"])
         c = KVTierClient(ClientConfig(url=srv.url, strict=True))
         c.connect()
         assert (directory / srv.shm_name).exists() and not srv.shm_path.exists()

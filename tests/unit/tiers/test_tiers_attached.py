@@ -153,7 +153,7 @@ def test_lookup_treats_an_unknown_answer_as_no_hit_and_stops_at_another_namespac
     namespace in the run ends the hits there."""
 
     class NotYet(FsTier):
-        def find_prefix(self, chunks):
+        def find_prefix(self, chunks, ns=None):
             return None
 
     fp = NS.fingerprint()

@@ -1,0 +1,216 @@
+"""`kvtier bench adopt`: a warm restart of a full L1, and what the journal costs the store path.
+
+* restart: a real server with an L1 of `--l1-gb` filled with chunks of `--chunk-mb` (16 blocks each, stored
+  as prompts of 16 chunks), stopped with SIGTERM (a last snapshot) and restarted, then SIGKILLed (the log is
+  replayed) and restarted: the time from starting the process to its ready line and to the first hit (a
+  client connects, looks a chunk up, leases it, copies it out, checks its bytes and releases it), the
+  adoption's own time from its log line; against a cold start of the same L1 (`--l1-discard`).
+* store path: reserve + commit of one-page chunks (no bytes copied: the bookkeeping alone) in batches of 256
+  through KVTierClient, past L1's capacity so that stores evict, on a server with the journal
+  (`--l1-adopt`) and one without (`--no-l1-adopt`), rounds alternating; microseconds per chunk.
+* in process: compaction (the snapshot written when the log is full: the serving loop waits for it) and
+  adoption (replay and rebuild of index, pool and policy) of an L1 of the same size holding `--l1-gb` /
+  `--chunk-mb` chunks and, the most an L1 of that size can hold, one chunk per page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import signal
+import statistics
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+from kvtier.connector.client import ClientConfig, KVTierClient
+from kvtier.server.bench import common as bc
+from kvtier.server.eviction import make_policy
+from kvtier.server.keys import ChunkKeys, Namespace, chunk_keys
+from kvtier.server.l1.adopt import L1Files, open_l1
+from kvtier.server.l1.store import Entry
+from kvtier.server.metrics import Metrics
+from kvtier.shm.segment import SHM_DIR
+
+MiB = 1 << 20
+PROMPT_CHUNKS = 16
+NS = Namespace(model="bench/adopt", dtype="bfloat16", num_layers=32, kv_heads=8, head_size=128, block_size=16,
+               layout="NHD", chunk_size=256)
+STORE_NS = Namespace(model="bench/adopt-store", dtype="bfloat16", num_layers=1, kv_heads=1, head_size=8,
+                     block_size=16, layout="NHD", chunk_size=16)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--l1-gb", type=float, default=8.0, help="L1 size in GiB (default 8)")
+    parser.add_argument("--chunk-mb", type=float, default=1.0, help="chunk size in MiB (default 1)")
+    parser.add_argument("--page-size-kb", type=int, default=64, help="L1 page size (default 64)")
+    parser.add_argument("--store-chunks", type=int, default=50_000,
+                        help="one-page chunks stored per store-path round (default 50,000, past a 1 GiB L1)")
+    parser.add_argument("--rounds", type=int, default=3, help="store-path rounds per mode (default 3)")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    chunk = int(args.chunk_mb * MiB)
+    l1 = int(args.l1_gb * (1 << 30))
+    if chunk < args.page_size_kb * 1024 or l1 < 2 * chunk:
+        raise SystemExit("--chunk-mb must hold a page and --l1-gb two chunks")
+    result: dict[str, Any] = {"bench": "adopt", "machine": bc.machine(), "l1_gb": args.l1_gb,
+                              "chunk_mb": args.chunk_mb, "page_size_kb": args.page_size_kb}
+    result["restart"] = restarts(args, chunk)
+    result["store_path"] = store_path(args)
+    result["in_process"] = in_process(args, l1, chunk)
+    bc.emit(result, args.json, _text(result))
+    return 0
+
+
+# -- restarts of a real server --------------------------------------------------------------------
+
+
+def restarts(args: argparse.Namespace, chunk: int) -> dict[str, Any]:
+    port = bc.free_port()
+    flags = ["--page-size-kb", str(args.page_size_kb), "--l1-adopt"]
+    srv = bc.start_server(args.l1_gb, flags, port=port)
+    try:
+        payload = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8)
+        prompts = (int(args.l1_gb * (1 << 30)) // chunk - 1) // PROMPT_CHUNKS
+        started = time.perf_counter()
+        stored = fill(srv.url, prompts, chunk, payload)
+        out: dict[str, Any] = {"chunks": stored, "fill_s": round(time.perf_counter() - started, 2)}
+        for mode, sig in (("sigterm", signal.SIGTERM), ("sigkill", signal.SIGKILL)):
+            srv.proc.send_signal(sig)
+            srv.proc.wait(60)
+            started = time.perf_counter()
+            srv = bc.start_server(args.l1_gb, flags, port=port)
+            first_hit = first_hit_s(srv.url, chunk, payload) + time.perf_counter() - started - srv.startup_s
+            line = next(x for x in srv.log if "L1 adopted" in x)
+            out[mode] = {"ready_s": round(srv.startup_s, 3), "first_hit_s": round(srv.startup_s + first_hit, 3),
+                         "adopted": int(re.search(r": (\d+) chunks", line)[1]),
+                         "adoption_s": float(re.search(r"replayed in ([\d.]+) s", line)[1])}
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(60)
+        srv = bc.start_server(args.l1_gb, [*flags, "--l1-discard"], port=port)  # frees the L1 it would adopt
+        out["cold"] = {"ready_s": round(srv.startup_s, 3)}
+        srv.stop()
+        srv = bc.start_server(args.l1_gb, flags, port=port)  # nothing to adopt, nothing to free
+        out["cold"]["ready_nothing_to_remove_s"] = round(srv.startup_s, 3)
+    finally:
+        srv.stop()  # and its L1 removed
+    return out
+
+
+def fill(url: str, prompts: int, chunk: int, payload: np.ndarray) -> int:
+    client = KVTierClient(ClientConfig(url=url, strict=True, request_timeout_s=60.0))
+    rng = np.random.default_rng(1)
+    stored = 0
+
+    def write(c: ChunkKeys, span: Any) -> None:
+        span.write(0, payload)
+        span.write(0, np.frombuffer(c.key, dtype=np.uint8))  # each chunk's bytes start with its key
+
+    for _ in range(prompts):
+        tokens = rng.integers(0, 50_000, PROMPT_CHUNKS * NS.chunk_size)
+        stored += client.store(NS, tokens, lambda _c: chunk, write).stored
+    client.close()
+    return stored
+
+
+def first_hit_s(url: str, chunk: int, payload: np.ndarray) -> float:
+    """Seconds until a new client has read the first stored chunk back, bit-exact."""
+    started = time.perf_counter()
+    tokens = np.random.default_rng(1).integers(0, 50_000, PROMPT_CHUNKS * NS.chunk_size)[: NS.chunk_size]
+    key = chunk_keys(NS, tokens)[0].key
+    expected = payload.copy()
+    expected[:16] = np.frombuffer(key, dtype=np.uint8)
+    client = KVTierClient(ClientConfig(url=url, strict=True))
+    got = np.empty(chunk, dtype=np.uint8)
+    assert client.retrieve(NS, tokens, lambda rc: rc.span.read(0, got)) == NS.chunk_size, "no hit"
+    elapsed = time.perf_counter() - started
+    client.close()
+    assert np.array_equal(got, expected), "the adopted chunk's bytes differ"
+    return elapsed
+
+
+# -- the store path, with and without the journal -------------------------------------------------
+
+
+def store_path(args: argparse.Namespace) -> dict[str, Any]:
+    rng = np.random.default_rng(2)
+    times: dict[str, list[float]] = {"journal": [], "no_journal": []}
+    page = args.page_size_kb * 1024
+    for _ in range(args.rounds):
+        for mode, flag in (("journal", "--l1-adopt"), ("no_journal", "--no-l1-adopt")):
+            srv = bc.start_server(1.0, ["--page-size-kb", str(args.page_size_kb), "--no-l1-prefault",
+                                        "--eviction-policy", "lru", flag])
+            client = KVTierClient(ClientConfig(url=srv.url, strict=True, request_timeout_s=60.0))
+            keys = [bytes(k) for k in rng.integers(0, 256, (args.store_chunks, 16), dtype=np.uint8)]
+            chunks = [ChunkKeys(i, 0, 1, (k,)) for i, k in enumerate(keys)]
+            started = time.perf_counter()
+            for i in range(0, len(chunks), 256):
+                result = client.store_chunks(STORE_NS, chunks[i : i + 256], lambda _c: page, lambda _c, _s: None)
+                assert result.stored == len(chunks[i : i + 256]), result
+            times[mode].append((time.perf_counter() - started) / len(chunks) * 1e6)
+            client.close()
+            srv.stop()
+    med = {mode: round(statistics.median(t), 2) for mode, t in times.items()}
+    return {"us_per_chunk": med, "rounds_us": {m: [round(x, 2) for x in t] for m, t in times.items()},
+            "ratio": round(med["journal"] / med["no_journal"], 3), "chunks_per_round": args.store_chunks}
+
+
+# -- compaction and adoption in process -----------------------------------------------------------
+
+
+def in_process(args: argparse.Namespace, l1: int, chunk: int) -> dict[str, Any]:
+    page = args.page_size_kb * 1024
+    pages = l1 // page
+    out = {}
+    for label, per_chunk in (("chunks", chunk // page), ("one_page_chunks", 1)):
+        files = L1Files(f"kvtier-bench-adopt-{uuid.uuid4().hex[:8]}", SHM_DIR, 0o600)
+        opened = open_l1(files, pages, page, make_policy("lru"), Metrics(), adopt=True)
+        store, ns = opened.store, NS.fingerprint()
+        store.register_namespace(NS)
+        rng = np.random.default_rng(3)
+        n = pages // per_chunk
+        blocks = NS.blocks_per_chunk if per_chunk > 1 else 1  # (one-page chunks: the entry count, not aliases)
+        for _ in range(n):
+            keys = [bytes(k) for k in rng.integers(0, 256, (blocks, 16), dtype=np.uint8)]
+            extents = store.begin_insert(keys[-1], per_chunk * page, None)
+            store.end_busy(keys[-1], None)
+            store.insert(Entry(keys[-1], ns, per_chunk * page, blocks, extents, tuple(keys[:-1])))
+        compact = []
+        for _ in range(3):
+            started = time.perf_counter()
+            opened.journal.compact()
+            compact.append(time.perf_counter() - started)
+        log_bytes = opened.journal.journal.length
+        opened.abandon()
+        started = time.perf_counter()
+        again = open_l1(files, pages, page, make_policy("lru"), Metrics(), adopt=True)
+        adopt_s = time.perf_counter() - started
+        assert again.adopted == n, again.outcome
+        again.store.clear()
+        again.close()  # empty: both files removed
+        out[label] = {"entries": n, "snapshot_bytes": log_bytes, "compaction_ms": round(min(compact) * 1e3, 2),
+                      "adoption_s": round(adopt_s, 3)}
+    return out
+
+
+def _text(r: dict[str, Any]) -> str:
+    rs, sp, ip = r["restart"], r["store_path"], r["in_process"]
+    lines = [f"kvtier bench adopt: L1 {r['l1_gb']} GiB of {r['chunk_mb']} MiB chunks ({rs['chunks']} stored in "
+             f"{rs['fill_s']} s), {r['page_size_kb']} KiB pages"]
+    for mode in ("sigterm", "sigkill"):
+        m = rs[mode]
+        lines.append(f"  restart after {mode}: ready {m['ready_s']} s, first hit {m['first_hit_s']} s, "
+                     f"{m['adopted']} chunks adopted in {m['adoption_s']} s")
+    lines.append(f"  cold start: ready {rs['cold']['ready_s']} s with --l1-discard (the old L1 freed first), "
+                 f"{rs['cold']['ready_nothing_to_remove_s']} s with nothing left to free")
+    us = sp["us_per_chunk"]
+    lines.append(f"  store path (reserve + commit, 1-page chunks, evicting): {us['journal']} us/chunk with the "
+                 f"journal, {us['no_journal']} without: {sp['ratio']}x")
+    for label, m in ip.items():
+        lines.append(f"  in process, {m['entries']} {label.replace('_', ' ')}: compaction {m['compaction_ms']} ms "
+                     f"({m['snapshot_bytes'] / MiB:.1f} MiB snapshot), adoption {m['adoption_s']} s")
+    return "\n".join(lines)
+

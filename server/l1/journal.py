@@ -1,0 +1,284 @@
+"""L1's journal: every fact the index needs, kept beside the segment so that a restarted daemon adopts the old
+L1 (docs/warm-restart.md). The framing and its crash safety are shm/journal.py's; this is what the records say.
+
+Records (msgpack payloads):
+
+    NAMESPACE  fingerprint, Namespace fields          before the first COMMIT of that namespace
+    COMMIT     key, ns, size, blocks, aliases, extents  before the entry is indexed (a commit or a promotion)
+    REMOVE     key                                      before any page of the removed entry can be reused
+    ALLOC      extents                                  before the pages leave the pool (to a reservation, a
+                                                        promotion): nobody can write a page unlogged
+    FREE       extents                                  before the pages rejoin the pool
+
+Every record is appended before its effect, so a daemon killed between the two leaves a journal that is
+behind on nothing that matters: a page it names as allocated may be free (it stays quarantined a while),
+never the reverse. Pages are logged at the pool (PagePool.log), so every path that takes or returns pages
+(reservations, promotions, removed entries still being read, the quarantine) is covered by two hooks.
+
+Replaying gives the entries still committed (in commit order: the policy hint), their namespaces, and the
+pages allocated to no entry (reservations and promotions in flight, removed entries still being read when the
+daemon died): those are quarantined. A record that contradicts a live entry's hold on its pages (a page
+allocated, freed or committed again while the entry lives) drops that entry: never wrong bytes.
+
+Compaction: when the active half holds twice the last snapshot plus `SLACK` (or is full), a snapshot of the
+live state (the namespaces in use, the live COMMIT records, cached as written, and an ALLOC per group of
+allocated pages no entry holds) replaces the log. A half holds the largest snapshot the geometry allows
+(`half_bytes`) twice over, so a snapshot always fits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgpack
+import numpy as np
+from kvtier.server.keys import KEY_BYTES, MAX_NS_STR, Namespace
+from kvtier.server.l1.pool import Extents, from_extents, to_extents
+from kvtier.server.metrics import Metrics
+from kvtier.shm.journal import RECORD_OVERHEAD, Journal, JournalDamaged, frame
+
+if TYPE_CHECKING:
+    from kvtier.server.l1.store import Entry
+
+log = logging.getLogger("kvtier.server")
+
+VERSION = 1  # the records' format; a journal of another version is never adopted
+NAMESPACE, COMMIT, REMOVE, ALLOC, FREE = 1, 2, 3, 4, 5
+SLACK = 1 << 20
+MAX_NAMESPACES = 4096  # store.MAX_NAMESPACES (not imported: store imports this module)
+# Upper bounds of encoded sizes, for half_bytes: a record's fixed part, each extent pair, each alias, and a
+# namespace (five strings of MAX_NS_STR characters of up to 4 UTF-8 bytes, seven integers, twelve names).
+_ENTRY_MAX = RECORD_OVERHEAD + 96
+_EXTENT_MAX = 10
+_ALIAS_MAX = KEY_BYTES + 2
+_NAMESPACE_MAX = RECORD_OVERHEAD + 64 + 5 * (4 * MAX_NS_STR + 3) + 7 * 9 + 12 * 16
+
+_pack = msgpack.Packer(use_bin_type=True).pack
+
+
+def half_bytes(num_pages: int, page_size: int, min_block_bytes: int) -> int:
+    """Bytes of each journal half: twice the largest snapshot `num_pages` pages can need, plus SLACK.
+
+    Every page belongs to at most one snapshot record (a COMMIT or an ALLOC), every extent pair holds a page,
+    every alias a block of at least `min_block_bytes`, and only namespaces with an entry are written. The
+    file is sparse: memory is used by what is written, about twice the live records at most.
+    """
+    aliases = num_pages * page_size // min_block_bytes
+    snapshot = (num_pages * (_ENTRY_MAX + _EXTENT_MAX) + aliases * _ALIAS_MAX
+                + min(num_pages, MAX_NAMESPACES) * _NAMESPACE_MAX)
+    return -(-(2 * snapshot + SLACK) // 4096) * 4096
+
+
+class L1Journal:
+    """The writer: the pool's PageLog and the store's commit/remove hooks, called on the serving loop (as every
+    L1 call is); compacts itself. Should it ever be unable to (a snapshot larger than a half: a sizing bug),
+    it invalidates the file and stops: the next start is cold, never adopts a journal gone stale."""
+
+    def __init__(self, journal: Journal, metrics: Metrics, slack: int = SLACK) -> None:
+        self.journal = journal
+        self.metrics = metrics
+        self.slack = slack
+        self.live: dict[bytes, bytes] = {}  # key -> its COMMIT record, in commit order
+        self.ns_records: dict[bytes, bytes] = {}  # fingerprint -> its NAMESPACE record, once written
+        self.ns_refs: dict[bytes, int] = {}  # fingerprint -> live entries
+        self.unheld: dict[int, Extents] = {}  # first page -> allocated extents no live entry holds
+        self.compactions = 0
+        self.failed = False
+        self._limit = min(journal.half, 2 * journal.length + slack)
+
+    # -- hooks -----------------------------------------------------------------------------------
+
+    def allocated(self, extents: Extents) -> None:
+        self._append(frame(ALLOC, _pack(extents)))
+        self.unheld[extents[0]] = extents
+
+    def released(self, extents: Extents) -> None:
+        self._append(frame(FREE, _pack(extents)))
+        self.unheld.pop(extents[0], None)
+
+    def committed(self, entry: Entry, namespace: Namespace | None) -> None:
+        # counted first: a compaction the appends below start must keep the namespace's record
+        self.ns_refs[entry.ns] = self.ns_refs.get(entry.ns, 0) + 1
+        if namespace is not None and entry.ns not in self.ns_records:
+            record = frame(NAMESPACE, _pack((entry.ns, namespace.to_dict())))
+            self._append(record)
+            self.ns_records[entry.ns] = record
+        record = frame(COMMIT, _pack((entry.key, entry.ns, entry.size, entry.blocks, entry.aliases, entry.extents)))
+        self._append(record)
+        self.live[entry.key] = record
+        self.unheld.pop(entry.extents[0], None)
+
+    def removed(self, entry: Entry) -> None:
+        self._append(frame(REMOVE, _pack(entry.key)))
+        if self.live.pop(entry.key, None) is not None:
+            self.ns_refs[entry.ns] -= 1
+            if not self.ns_refs[entry.ns]:
+                del self.ns_refs[entry.ns]
+        self.unheld[entry.extents[0]] = entry.extents  # until released (now, or by the last reader)
+
+    def carry(self, entries: list[AdoptedEntry], namespaces: dict[bytes, Namespace], unheld: Extents) -> None:
+        """Take over what an adoption kept of a replay (entries in commit order, their namespaces, the
+        quarantined pages), then compact: the log becomes a snapshot of exactly that."""
+        for entry in entries:
+            self.live[entry.key] = entry.record
+            self.ns_refs[entry.ns] = self.ns_refs.get(entry.ns, 0) + 1
+        self.ns_records = {fp: frame(NAMESPACE, _pack((fp, namespaces[fp].to_dict()))) for fp in self.ns_refs}
+        if unheld:
+            self.unheld[unheld[0]] = unheld
+        self.compact()
+
+    # -- log and snapshot ------------------------------------------------------------------------
+
+    def _append(self, record: bytes) -> None:
+        """Append, compacting first when the log has grown past its limit or the half is full. The
+        snapshot is of the state before this record, which follows it."""
+        journal = self.journal
+        if self.failed:
+            return
+        if journal.length + len(record) > self._limit or not journal.append(record):
+            self.compact()
+            if not self.failed and not journal.append(record):
+                self._fail(f"a record of {len(record)} bytes does not fit after a compaction")
+
+    def snapshot(self) -> bytes:
+        """The live state as records: namespaces in use, then entries in commit order, then unheld pages."""
+        self.ns_records = {fp: r for fp, r in self.ns_records.items() if fp in self.ns_refs}
+        unheld = [frame(ALLOC, _pack(e)) for e in self.unheld.values()]
+        return b"".join([*self.ns_records.values(), *self.live.values(), *unheld])
+
+    def compact(self, order: list[bytes] | None = None) -> None:
+        """Replace the log by a snapshot; `order` (keys, coldest first: the policy's eviction order at a
+        clean stop) puts the entries in the order the next start re-inserts them."""
+        if self.failed:
+            return
+        if order is not None:
+            ranked = {key: self.live[key] for key in order if key in self.live}
+            self.live = ranked | self.live  # keys the order missed keep their place after it
+        snapshot = self.snapshot()
+        if len(snapshot) > self.journal.half:
+            self._fail(f"a snapshot of {len(snapshot)} bytes does not fit a half of {self.journal.half}")
+            return
+        self.journal.rewrite(snapshot)
+        self._limit = min(self.journal.half, 2 * len(snapshot) + self.slack)
+        self.compactions += 1
+        self.metrics.l1_journal_compactions.inc()
+
+    def _fail(self, why: str) -> None:
+        self.journal.invalidate()
+        self.failed = True
+        log.error("L1 journal stopped (%s): the next start will not adopt this L1", why)
+
+
+# -- replay --------------------------------------------------------------------------------------
+
+
+@dataclass
+class AdoptedEntry:
+    key: bytes
+    ns: bytes
+    size: int
+    blocks: int
+    aliases: tuple[bytes, ...]
+    extents: Extents
+    record: bytes  # its COMMIT record, to carry into the new journal as it is
+
+
+@dataclass
+class Replayed:
+    """What a journal says L1 holds: entries in commit order, their namespaces, pages no entry holds."""
+
+    namespaces: dict[bytes, Namespace] = field(default_factory=dict)
+    entries: list[AdoptedEntry] = field(default_factory=list)
+    unheld: Extents = ()
+    records: int = 0
+    dropped: int = 0  # entries whose pages a later record contradicted, or of an unknown namespace
+
+
+def replay(records: object, num_pages: int, page_size: int) -> Replayed:
+    """Replay `records` ((type, payload, record) as shm.journal.parse yields them) of a segment of
+    `num_pages` pages. JournalDamaged for a record that does not decode into what its type requires."""
+    owner = np.zeros(num_pages, dtype=np.int64)  # per page: 0 free, -1 allocated to no entry, i > 0 entry i
+    live: dict[int, AdoptedEntry] = {}
+    by_key: dict[bytes, int] = {}
+    out = Replayed()
+
+    def drop(ids: object) -> None:
+        for i in set(np.asarray(ids).tolist()):
+            entry = live.pop(i)
+            del by_key[entry.key]
+            owner[from_extents(entry.extents)] = -1
+            out.dropped += 1
+
+    for rtype, payload, record in records:  # type: ignore[attr-defined]
+        out.records += 1
+        try:
+            value = msgpack.unpackb(payload, use_list=False)
+            if rtype in (ALLOC, FREE):
+                pages = _pages(value, num_pages)
+                held = owner[pages]
+                drop(held[held > 0])
+                owner[pages] = -1 if rtype == ALLOC else 0
+            elif rtype == COMMIT:
+                entry = _entry(value, bytes(record), num_pages, page_size)
+                if entry.key in by_key:
+                    drop([by_key[entry.key]])
+                pages = from_extents(entry.extents)
+                held = owner[pages]
+                if (held > 0).any():  # another entry's pages (free ones are a snapshot's: no ALLOC there)
+                    drop(held[held > 0])
+                    owner[pages] = -1
+                    out.dropped += 1
+                    continue
+                i = out.records
+                live[i] = entry
+                by_key[entry.key] = i
+                owner[pages] = i
+            elif rtype == REMOVE:
+                i = by_key.pop(_key(value), 0)
+                if i:
+                    owner[from_extents(live.pop(i).extents)] = -1  # until a FREE: still being read, perhaps
+            elif rtype == NAMESPACE:
+                fp, fields = value
+                namespace = Namespace.from_dict(dict(fields))
+                if namespace.fingerprint() != fp:
+                    raise ValueError("the namespace's fields do not give its fingerprint")
+                out.namespaces[fp] = namespace
+            else:
+                raise ValueError(f"unknown record type {rtype}")
+        except Exception as exc:  # msgpack raises several unrelated types for bytes it cannot decode
+            raise JournalDamaged(f"record {out.records} (type {rtype}) does not decode: {exc}") from None
+    drop([i for i, entry in live.items() if entry.ns not in out.namespaces])
+    out.entries = list(live.values())
+    used = {entry.ns for entry in out.entries}
+    out.namespaces = {fp: ns for fp, ns in out.namespaces.items() if fp in used}
+    out.unheld = to_extents(np.flatnonzero(owner == -1))
+    return out
+
+
+def _key(value: object) -> bytes:
+    if not isinstance(value, bytes) or len(value) != KEY_BYTES:
+        raise ValueError("a key is 16 bytes")
+    return value
+
+
+def _pages(extents: object, num_pages: int) -> np.ndarray:
+    """The pages of extents read from a record, every run checked to lie inside the segment."""
+    if not isinstance(extents, tuple) or not extents or len(extents) % 2:
+        raise ValueError("extents are (first page, page count) pairs")
+    for i in range(0, len(extents), 2):
+        first, count = extents[i], extents[i + 1]
+        if not (type(first) is int and type(count) is int and first >= 0 and count > 0
+                and first + count <= num_pages):
+            raise ValueError(f"page run ({first}, {count}) outside a segment of {num_pages} pages")
+    return from_extents(extents)
+
+
+def _entry(value: object, record: bytes, num_pages: int, page_size: int) -> AdoptedEntry:
+    key, ns, size, blocks, aliases, extents = value  # type: ignore[misc]
+    pages = _pages(extents, num_pages)
+    if not (type(size) is int and type(blocks) is int and 0 < size <= len(pages) * page_size
+            and len(pages) == -(-size // page_size) and blocks >= 1 and len(aliases) < blocks):
+        raise ValueError("size, blocks or aliases do not fit the entry's pages")
+    return AdoptedEntry(_key(key), _key(ns), size, blocks, tuple(map(_key, aliases)), extents, record)

@@ -1,0 +1,944 @@
+"""The remote tier: chunks in a Redis >= 7 / Valkey >= 8 store (standalone or Cluster) that every node sharing
+`--remote-prefix` reads and writes, through valkey-glide's sync client (zero-copy SET from a memoryview, GET
+into the caller's buffer). Facts behind the choices: /work/shared/reference/remote-tier.md.
+
+Layout (`<ns>`, `<key>`: hex of the namespace fingerprint and the chunk key):
+
+    <prefix>:<ns>:{<key>}:h           generation (8 random bytes per put) + record.py's header (fields, XXH3-128
+                                      checksum of the fields and the payload)
+    <prefix>:<ns>:{<key>}:<gen>:<i>   payload part i (1 MiB; the last one shorter) of that generation
+    <prefix>:<ns>:{<alias>}:a         chunk key + leading block count (u32): a block-prefix alias, so that a
+                                      lookup ending inside a chunk finds it as FsTier's index does locally
+
+The hash tag is the chunk key: a chunk's header and parts live in one Cluster slot, and a prompt's chunks
+spread over every master.
+
+Writes (`put`, write-behind threads): skipped when the header exists (another node wrote it: `existing`);
+else the parts (one non-atomic batch), then the header with SET NX, then the aliases with NX, all with the TTL
+(parts a little longer, so a header never outlives its parts by expiry). A put that loses the NX race
+deletes its own parts: a reader only ever sees one generation's parts, whose checksum is in its header, so
+two writers of different bytes never mix. Reads (`get`, promotion threads): the header, then each part
+straight into the L1 pages (a part that crosses a page run goes through a staging buffer), sizes and
+checksum verified before True; a missing part or header (`missing`) or a bad one (`corrupt`) is a miss and
+the header is deleted (only if it is still the one read), never served. glide copies a GET's value into the
+buffer inside the call, so the pages are not written after it returns (the caller owns them until then).
+
+Lookups (`find_prefix`, the serving loop) never wait: they answer from a presence cache (block key ->
+(record, leading blocks) or missing, with an expiry, bounded), and for a chunk it does not know they start
+one probe on the probe thread (pipelined GETs of the header and alias keys, per node) and answer None
+("pending"); the next lookup finds the answers. Known misses end the run.
+
+Failures: no retries on the data path; glide's request timeout is `--remote-timeout-ms` or 4x a part's time
+at the measured bandwidth, whichever is longer (a batch's: 4x its bytes' time). One circuit breaker per node
+address (purgatory's state machine; its bookkeeping under a lock of ours, never the call: calls run in
+parallel): while one is open, that node's reads are misses, its writes dropped and its lookups misses, all
+counted, and the maintenance thread PINGs it after `--remote-breaker-reset-s`; an answer closes it.
+
+Accounting (the tier contract's properties, cheap and non-blocking): `used_bytes` and `capacity_bytes` are
+the store's INFO used_memory and maxmemory summed over its masters (every node's data, not only this one's;
+refreshed every few seconds off the loop; capacity 0 = no limit), `entries` the chunks the presence cache
+knows to be there, `written`/`written_bytes` what this node wrote. The store owns capacity (maxmemory with
+a volatile-* or allkeys-* policy): nothing here evicts.
+"""
+
+from __future__ import annotations
+
+import binascii
+import bisect
+import contextlib
+import logging
+import os
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import glide_sync as glide
+from kvtier.server.config import RemoteUrl, parse_remote_url
+from kvtier.server.metrics import Metrics, RemoteMetrics
+from kvtier.server.tiers.bandwidth import BandwidthMeter
+from kvtier.server.tiers.base import Cleared, LowerTier
+from kvtier.server.tiers.record import ChunkMeta, CorruptChunk, decode_header, encode_header, hasher
+from purgatory import SyncCircuitBreakerFactory
+from purgatory.domain.model import OpenedState
+
+log = logging.getLogger("kvtier.server.remote")
+
+T = TypeVar("T")
+
+PART_BYTES = 1 << 20  # one value per MiB: multi-MB values move ~2.5x slower (reference/remote-tier.md)
+GEN_BYTES = 8
+ALIAS = struct.Struct("<16sI")  # an alias key's value: chunk key, leading blocks
+PART_TTL_MARGIN_MS = 60_000  # parts outlive their header by this much
+PRESENT_TTL_S = 30.0  # how long the presence cache trusts a chunk it saw (the store may evict it meanwhile)
+MISSING_TTL_S = 2.0  # ... and a miss (another node may write the chunk): a new chunk is seen this late at most
+PRESENCE_MAX = 200_000  # presence cache entries (block keys); the oldest go first
+NAMESPACES_MAX = 8  # namespaces remembered for lookups that do not name theirs
+PROBE_QUEUE = 64  # probe jobs waiting; a lookup that finds the queue full stays pending
+PROBE_MAX_KEYS = 2048  # block keys one probe round asks about
+PROBE_ROUNDS = 3  # chunk headers, then the aliases of the chunk where the run ends, then their chunks
+TIMEOUT_FACTOR = 4  # a transfer times out at this many times its duration at the measured bandwidth
+ASSUMED_BYTES_PER_S = 100e6  # until the bandwidth is measured: 1 GbE
+TICK_S = 0.25  # maintenance thread: how often open breakers are looked at
+INFO_REFRESH_S = 5.0  # ... and how often INFO (used_memory, maxmemory), the slot map and the RTT are refreshed
+SCAN_COUNT = 1000
+CLUSTER_SLOTS = 16384
+
+# Failures of a node (they trip its breaker); other errors are answers (a server error, a bad value).
+_NODE_FAILURES = (glide.TimeoutError, glide.ConnectionError, glide.ClosingError)
+
+
+def _node_failure(exc: BaseException) -> bool:
+    """Whether `exc` says the node did not answer (towards opening its breaker), not that it refused. A glide
+    client that never connected raises a plain RequestError ("... connect failed") for a node that is down."""
+    return isinstance(exc, _NODE_FAILURES) or (isinstance(exc, glide.RequestError) and "connect" in str(exc).lower())
+# Delete a header only if it is still the one read (a new writer's may have replaced it).
+_DEL_IF_EQUAL = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+class _Unavailable(Exception):
+    """A call not made (its node's breaker is open) or failed (timeout, lost connection): a miss."""
+
+
+class _Breaker:
+    """One node's circuit breaker: purgatory's state machine. purgatory keeps no lock, and its bookkeeping
+    is not safe across threads, so it runs under ours; the call itself runs outside it, in parallel."""
+
+    def __init__(self, factory: SyncCircuitBreakerFactory, node: str) -> None:
+        self._brk = factory.get_breaker(node)
+        self._lock = threading.Lock()
+
+    @property
+    def open(self) -> bool:
+        """Opened, or half-opened by a probe in flight: data calls are not made."""
+        return self._brk.context.state != "closed"
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """`fn()` through the breaker: purgatory.OpenedState while open and its reset time not passed; a node
+        failure counts towards opening it, any other outcome (a server error included) closes the count."""
+        with self._lock:
+            self._brk.__enter__()
+        try:
+            out = fn()
+        except BaseException as exc:
+            failed = _node_failure(exc)
+            with self._lock:
+                self._brk.__exit__(*((type(exc), exc, exc.__traceback__) if failed else (None, None, None)))
+            raise
+        with self._lock:
+            self._brk.__exit__(None, None, None)
+        return out
+
+
+_UNKNOWN = object()  # the presence cache's answer for a key it has no live entry for
+Found = tuple[ChunkMeta, int]  # a chunk and the leading blocks a key matches
+
+
+class _Presence:
+    """What this node knows of the store: block key -> (record, leading blocks), or None (missing), with an
+    expiry; bounded (the oldest entries go first). Thread-safe; `chunks` counts live entries under a
+    chunk's own key."""
+
+    def __init__(self, max_entries: int = PRESENCE_MAX) -> None:
+        self._lock = threading.Lock()
+        self._map: OrderedDict[bytes, tuple[float, Found | None]] = OrderedDict()
+        self._max = max_entries
+        self.chunks = 0
+
+    def get(self, key: bytes, now: float) -> Found | None | object:
+        with self._lock:
+            item = self._map.get(key)
+            if item is None:
+                return _UNKNOWN
+            if item[0] < now:
+                self._pop(key)
+                return _UNKNOWN
+            return item[1]
+
+    def add(self, meta: ChunkMeta, now: float) -> None:
+        """`meta` is in the store: found under its key and each alias (a live hit under an alias stays)."""
+        expiry = now + PRESENT_TTL_S
+        with self._lock:
+            self._set(meta.key, (expiry, (meta, meta.blocks)))
+            for j, alias in enumerate(meta.aliases, start=1):
+                item = self._map.get(alias)
+                if item is None or item[1] is None or item[0] < now:
+                    self._set(alias, (expiry, (meta, j)))
+
+    def found(self, key: bytes, hit: Found, now: float) -> None:
+        with self._lock:
+            self._set(key, (now + PRESENT_TTL_S, hit))
+
+    def missing(self, keys: Iterable[bytes], now: float) -> None:
+        expiry = now + MISSING_TTL_S
+        with self._lock:
+            for key in keys:
+                self._set(key, (expiry, None))
+
+    def drop(self, meta: ChunkMeta, now: float) -> None:
+        """`meta` is gone from the store: a miss under its key, forgotten under the aliases that point to it."""
+        with self._lock:
+            for alias in meta.aliases:
+                item = self._map.get(alias)
+                if item is not None and item[1] is not None and item[1][0] == meta:
+                    self._pop(alias)
+            self._set(meta.key, (now + MISSING_TTL_S, None))
+
+    def forget(self, ns: bytes | None) -> None:
+        """Forget every chunk (of namespace `ns`), and every miss (a clear makes them stale too)."""
+        with self._lock:
+            for key in [k for k, (_, hit) in self._map.items() if ns is None or hit is None or hit[0].ns == ns]:
+                self._pop(key)
+
+    def _set(self, key: bytes, item: tuple[float, Found | None]) -> None:
+        self._pop(key)
+        self._map[key] = item
+        if item[1] is not None and item[1][0].key == key:
+            self.chunks += 1
+        while len(self._map) > self._max:
+            self._pop(next(iter(self._map)))
+
+    def _pop(self, key: bytes) -> None:
+        item = self._map.pop(key, None)
+        if item is not None and item[1] is not None and item[1][0].key == key:
+            self.chunks -= 1
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A put's CPU work, done by `prepare` on the writer's first stage: the header value and the parts."""
+
+    header: bytes  # generation + record header
+    parts: list  # buffers, PART_BYTES each but the last (views of the sources where a part lies in one)
+
+
+def _pieces(bufs: Sequence, size: int) -> list[list[memoryview]]:
+    """Per part of a `size`-byte payload held in `bufs` (in order), the views of `bufs` it covers: one,
+    unless the part crosses the end of a buffer."""
+    parts: list[list[memoryview]] = []
+    current: list[memoryview] = []
+    filled, left = 0, size
+    for buf in bufs:
+        view = memoryview(buf).cast("B")
+        off = 0
+        while off < len(view) and left:
+            take = min(PART_BYTES - filled, len(view) - off, left)
+            current.append(view[off : off + take])
+            filled += take
+            off += take
+            left -= take
+            if filled == PART_BYTES or not left:
+                parts.append(current)
+                current, filled = [], 0
+    if left:
+        raise ValueError(f"buffers hold {size - left} of the chunk's {size} bytes")
+    return parts
+
+
+def _slot(tag: bytes) -> int:
+    """The Cluster slot of keys whose hash tag is `tag` (CRC16/XMODEM mod 16384)."""
+    return binascii.crc_hqx(tag, 0) % CLUSTER_SLOTS
+
+
+class RemoteTier(LowerTier):
+    """See the module docstring. `url` is a --remote-url; `timeout_ms` the floor of every call's timeout."""
+
+    name = "remote"
+    required_for_readiness = False  # an outage of the shared store leaves this node serving L1 and L2
+
+    def __init__(self, url: str, prefix: str = "kvtier", ttl_s: float = 86400.0, timeout_ms: int = 200,
+                 breaker_threshold: int = 5, breaker_reset_s: float = 5.0,
+                 metrics: RemoteMetrics | None = None) -> None:
+        self.url: RemoteUrl = parse_remote_url(url)
+        self.path = self.url.redacted()  # where the tier is, for logs and status (no password)
+        self.prefix = prefix
+        self.ttl_ms = round(ttl_s * 1000)
+        self.timeout_ms = timeout_ms
+        self.m = metrics if metrics is not None else RemoteMetrics(Metrics())
+        glide.Logger.init(glide.LogLevel.ERROR)  # not glide's per-timeout warnings (counted here instead)
+        self._breakers: dict[str, _Breaker] = {}
+        self._factory = SyncCircuitBreakerFactory(default_threshold=breaker_threshold, default_ttl=breaker_reset_s)
+        self._lock = threading.Lock()
+        self._local = threading.local()  # one client per thread: its own connections, calls in parallel
+        self._clients: list[Any] = []
+        self._presence = _Presence()
+        self._namespaces: OrderedDict[bytes, None] = OrderedDict()  # for lookups that do not name theirs
+        self._probing: set[bytes] = set()  # first keys of the probes queued or running
+        self._bw = BandwidthMeter()  # every transfer's rate: what timeouts are sized from
+        self._del_script = glide.Script(_DEL_IF_EQUAL)
+        seed = self.url.nodes[0]
+        self._slot_starts: list[int] = [0]  # Cluster slot ranges' first slots, and their masters
+        self._slot_nodes: list[str] = [self._node_name(*seed)]
+        self._rtt = 0.0
+        self._used = self._capacity = 0
+        self.written = self.written_bytes = 0
+        self.existing = self.corrupt = self.missing = self.pending = 0
+        self.rejected = self.timeouts = self.errors = 0
+        self._stop = threading.Event()
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(PROBE_QUEUE)
+        self._threads = [threading.Thread(target=self._run_jobs, name="kvtier-remote-probe", daemon=True),
+                         threading.Thread(target=self._run_maintenance, name="kvtier-remote-maint", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    @property
+    def entries(self) -> int:
+        return self._presence.chunks
+
+    @property
+    def rtt_s(self) -> float:
+        """The measured round trip (PING) to the store, seconds; 0.0 until measured."""
+        return self._rtt
+
+    def stats(self) -> dict:
+        """The remote tier's own part of the `stats` op (AttachedTier adds the common ones)."""
+        return {
+            "remote_url": self.path,
+            "remote_rtt_s": self._rtt,
+            "remote_written_bytes": self.written_bytes,
+            "remote_existing_writes": self.existing,
+            "remote_missing_chunks": self.missing,
+            "remote_pending_lookups": self.pending,
+            "remote_rejected_calls": self.rejected,
+            "remote_timeouts": self.timeouts,
+            "remote_errors": self.errors,
+            "remote_breakers_open": sorted(node for node, b in list(self._breakers.items()) if b.open),
+        }
+
+    def health(self) -> tuple[bool, str]:
+        down = sorted(node for node, b in list(self._breakers.items()) if b.open)
+        if down:
+            return False, f"remote breaker open for {', '.join(down)}: reads miss and writes drop until it answers"
+        return True, ""
+
+    # -- keys, nodes, clients, calls ---------------------------------------------------------------
+
+    def _key(self, ns: bytes, key: bytes, suffix: str) -> str:
+        return f"{self.prefix}:{ns.hex()}:{{{key.hex()}}}:{suffix}"
+
+    def _part_key(self, ns: bytes, key: bytes, gen: bytes, i: int) -> str:
+        return self._key(ns, key, f"{gen.hex()}:{i}")
+
+    @staticmethod
+    def _node_name(host: str, port: int) -> str:
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    def _node_of(self, key: bytes) -> str:
+        """The master holding the keys tagged with chunk key `key` (as of the last slot map)."""
+        if not self.url.cluster:
+            return self._slot_nodes[0]
+        slot = _slot(key.hex().encode())
+        return self._slot_nodes[bisect.bisect_right(self._slot_starts, slot) - 1]
+
+    def _breaker(self, node: str) -> _Breaker:
+        brk = self._breakers.get(node)
+        if brk is None:
+            with self._lock:
+                brk = self._breakers.get(node)
+                if brk is None:
+                    brk = self._breakers[node] = _Breaker(self._factory, node)
+                    self.m.breaker_open.labels(node).set_function(lambda: float(brk.open))
+        return brk
+
+    def _available(self, node: str) -> bool:
+        return not self._breaker(node).open
+
+    def _client(self) -> Any:
+        client = getattr(self._local, "client", None)
+        if client is None:
+            client = self._local.client = self._connect()
+            with self._lock:
+                self._clients.append(client)
+        return client
+
+    def _connect(self) -> Any:
+        """A client of this thread; its request timeout sized from the bandwidth measured so far."""
+        u = self.url
+        addresses = [glide.NodeAddress(h, p) for h, p in u.nodes]
+        creds = glide.ServerCredentials(u.password, u.username or None) if u.password else None
+        timeout = self._timeout_ms(PART_BYTES)
+        common = dict(use_tls=u.tls, credentials=creds, request_timeout=timeout, lazy_connect=True)
+        if u.cluster:
+            return glide.GlideClusterClient.create(glide.GlideClusterClientConfiguration(
+                addresses, advanced_config=glide.AdvancedGlideClusterClientConfiguration(connection_timeout=timeout),
+                **common))
+        return glide.GlideClient.create(glide.GlideClientConfiguration(
+            addresses, database_id=u.db or None,
+            advanced_config=glide.AdvancedGlideClientConfiguration(connection_timeout=timeout), **common))
+
+    def _timeout_ms(self, nbytes: int) -> int:
+        bw = self._bw.bytes_per_s or ASSUMED_BYTES_PER_S
+        return max(self.timeout_ms, round(TIMEOUT_FACTOR * nbytes / bw * 1000))
+
+    def _call(self, node: str, op: str, fn: Callable[[], T]) -> T:
+        """`fn()` on `node` under its breaker; _Unavailable (counted) when the breaker is open or the node
+        failed. Other errors (the server's answers) pass through."""
+        brk = self._breaker(node)
+        if brk.open:
+            self.rejected += 1
+            self.m.rejected.labels(op).inc()
+            raise _Unavailable(node)
+        try:
+            return brk.call(fn)
+        except glide.TimeoutError:
+            self.timeouts += 1
+            self.m.timeouts.labels(op).inc()
+            raise _Unavailable(node) from None
+        except glide.GlideError as exc:
+            if not _node_failure(exc):
+                raise  # the server's answer (out of memory, no permission, ...)
+            self._error(op, node, exc)
+            raise _Unavailable(node) from None
+        except OpenedState:  # opened by another thread since `brk.open` was read
+            self.rejected += 1
+            self.m.rejected.labels(op).inc()
+            raise _Unavailable(node) from None
+
+    def _error(self, op: str, node: str, exc: BaseException) -> None:
+        self.errors += 1
+        self.m.errors.labels(op).inc()
+        log.debug("remote %s on %s failed: %s", op, node, exc)
+
+    def _batch(self, client: Any, fill: Callable[[Any], None], nbytes: int) -> list:
+        """A non-atomic batch (pipeline) of the commands `fill(batch)` adds, its timeout sized for `nbytes`;
+        per-command errors come back as RequestError values."""
+        cluster = self.url.cluster
+        batch = glide.ClusterBatch(is_atomic=False) if cluster else glide.Batch(is_atomic=False)
+        fill(batch)
+        timeout = self._timeout_ms(nbytes)
+        options = glide.ClusterBatchOptions(timeout=timeout) if cluster else glide.BatchOptions(timeout=timeout)
+        return client.exec(batch, raise_on_error=False, options=options) or []
+
+    def _expiry(self, extra_ms: int = 0) -> glide.ExpirySet | None:
+        if not self.ttl_ms:
+            return None
+        return glide.ExpirySet(glide.ExpiryType.MILLSEC, self.ttl_ms + extra_ms)
+
+    def _learn(self, ns: bytes) -> None:
+        with self._lock:
+            self._namespaces[ns] = None
+            self._namespaces.move_to_end(ns)
+            while len(self._namespaces) > NAMESPACES_MAX:
+                self._namespaces.popitem(last=False)
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def prepare(self, meta: ChunkMeta, sources: Sequence) -> Prepared:
+        pieces = _pieces(sources, meta.size)
+        gen = os.urandom(GEN_BYTES)
+        header = gen + encode_header(meta, (piece for part in pieces for piece in part))
+        return Prepared(header, [p[0] if len(p) == 1 else b"".join(p) for p in pieces])
+
+    def put(self, meta: ChunkMeta, payload: Any, keep: Callable[[], bool] | None = None) -> bool:
+        """Write a chunk (its bytes, or `prepare`'s result) unless the store has it; False when it was there,
+        or the write was dropped (breaker open, timeout, server error: counted)."""
+        self._learn(meta.ns)
+        if self.contains(meta.key):
+            return False
+        prepared = payload if isinstance(payload, Prepared) else self.prepare(meta, [payload])
+        node, client = self._node_of(meta.key), self._client()
+        hkey = self._key(meta.ns, meta.key, "h")
+        gen = prepared.header[:GEN_BYTES]
+        parts = [self._part_key(meta.ns, meta.key, gen, i) for i in range(len(prepared.parts))]
+        start = time.perf_counter()
+        try:
+            if self._call(node, "put", lambda: client.exists([hkey])):
+                self._existing(meta)
+                return False
+            part_expiry = self._expiry(PART_TTL_MARGIN_MS)
+
+            def fill(batch: Any) -> None:
+                for k, v in zip(parts, prepared.parts, strict=True):
+                    batch.set(k, v, expiry=part_expiry)
+
+            results = self._call(node, "put", lambda: self._batch(client, fill, meta.size))
+            if len(results) != len(parts) or any(isinstance(r, Exception) for r in results):
+                self._error("put", node, next((r for r in results if isinstance(r, Exception)), "short batch"))
+                self._unlink(node, parts)
+                return False
+            won = self._put_header(node, client, meta, hkey, prepared.header)
+        except _Unavailable:
+            return False
+        except glide.RequestError as exc:  # the server refused (out of memory, no permission): dropped
+            self._error("put", node, exc)
+            self._unlink(node, parts)
+            return False
+        if not won:  # another node's header went in first: its parts are the chunk's, ours go
+            self._unlink(node, parts)
+            self._existing(meta)
+            return False
+        self._bw.add(meta.size, start, time.perf_counter())
+        if keep is not None and not keep():  # a clear came meanwhile: take it back
+            self._presence.drop(meta, time.monotonic())
+            self._delete(meta.ns, meta.key, prepared.header, meta.size)
+            return False
+        self._presence.add(meta, time.monotonic())
+        self.written += 1
+        self.written_bytes += meta.size
+        return True
+
+    def _existing(self, meta: ChunkMeta) -> None:
+        self.existing += 1
+        self.m.existing.inc()
+        self._presence.add(meta, time.monotonic())
+
+    def _put_header(self, node: str, client: Any, meta: ChunkMeta, hkey: str, header: bytes) -> bool:
+        """SET NX the header and the alias keys, those on the chunk's node in its pipeline (an alias's value
+        names the chunk, whichever writer wins), the others after it (best effort: a missing alias only
+        loses that partial match). Whether this header went in; a failure of the chunk's node raises."""
+        nx, expiry = glide.ConditionalChange.ONLY_IF_DOES_NOT_EXIST, self._expiry()
+        by_node: dict[str, list[tuple[str, bytes]]] = {node: [(hkey, header)]}
+        for j, alias in enumerate(meta.aliases, start=1):
+            by_node.setdefault(self._node_of(alias), []).append(
+                (self._key(meta.ns, alias, "a"), ALIAS.pack(meta.key, j)))
+        won = False
+        for where, items in by_node.items():
+            def fill(batch: Any, items: list[tuple[str, bytes]] = items) -> None:
+                for k, v in items:
+                    batch.set(k, v, conditional_set=nx, expiry=expiry)
+
+            try:
+                results = self._call(where, "put", lambda fill=fill: self._batch(client, fill, 0))
+            except (_Unavailable, glide.RequestError):
+                if where == node:
+                    raise
+                continue
+            if where == node:
+                if results and isinstance(results[0], glide.RequestError):
+                    raise results[0]  # the server refused the header (out of memory, no permission)
+                won = bool(results) and results[0] is not None
+        return won
+
+    def _unlink(self, node: str, keys: list[str]) -> None:
+        """Delete keys of one slot, best effort (they expire anyway)."""
+        client = self._client()
+        with contextlib.suppress(_Unavailable, glide.RequestError):
+            self._call(node, "put", lambda: client.unlink(keys))
+
+    def _delete(self, ns: bytes, key: bytes, header: bytes, size: int) -> None:
+        """Remove a chunk from the store whose header value was `header`: the header only if it is still
+        that one (a new writer's stays), then that generation's parts (`size` bytes of them; 0: not known,
+        they expire)."""
+        node, client = self._node_of(key), self._client()
+        hkey = self._key(ns, key, "h")
+        try:
+            self._call(node, "put", lambda: client.invoke_script(self._del_script, keys=[hkey], args=[header]))
+        except (_Unavailable, glide.RequestError):
+            return
+        gen = header[:GEN_BYTES]
+        if size:
+            self._unlink(node, [self._part_key(ns, key, gen, i) for i in range(-(-size // PART_BYTES))])
+
+    # -- reads -----------------------------------------------------------------------------------
+
+    def get(self, meta: ChunkMeta, bufs: Sequence[memoryview]) -> bool:
+        node, client = self._node_of(meta.key), self._client()
+        hkey = self._key(meta.ns, meta.key, "h")
+        start = time.perf_counter()
+        try:
+            header = self._call(node, "get", lambda: client.get(hkey))
+            if header is None:
+                return self._lost(meta, None, "missing")
+            try:
+                stored, fields, checksum = decode_header(header[GEN_BYTES:])
+            except CorruptChunk:
+                return self._lost(meta, header, "corrupt")
+            if stored != meta:  # another record under this key (a stale lookup): not this chunk
+                self._presence.drop(meta, time.monotonic())
+                return False
+            why = self._read_parts(node, client, meta, header[:GEN_BYTES], bufs, fields, checksum)
+        except _Unavailable:
+            return False
+        if why is not None:
+            return self._lost(meta, header, why)
+        self._bw.add(meta.size, start, time.perf_counter())
+        return True
+
+    def _read_parts(self, node: str, client: Any, meta: ChunkMeta, gen: bytes, bufs: Sequence[memoryview],
+                    fields: bytes, checksum: bytes) -> str | None:
+        """GET each part into `bufs` (through a staging buffer where a part crosses two) and verify the
+        checksum: None when verified, else why not ("missing" part, "corrupt": a wrong size or checksum)."""
+        h = hasher(fields)
+        staging: memoryview | None = None
+        for i, pieces in enumerate(_pieces(bufs, meta.size)):
+            n = sum(len(p) for p in pieces)
+            if len(pieces) == 1:
+                target = pieces[0]
+            else:
+                staging = staging if staging is not None else memoryview(bytearray(PART_BYTES))
+                target = staging[:n]
+            key = self._part_key(meta.ns, meta.key, gen, i)
+            try:
+                got = self._call(node, "get", lambda key=key, target=target: client.get(key, buffer=target))
+            except glide.RequestError:  # the value is larger than the part (glide refuses to overflow)
+                return "corrupt"
+            if got is None:
+                return "missing"
+            if int(got) != n:
+                return "corrupt"
+            if len(pieces) > 1:
+                off = 0
+                for p in pieces:
+                    p[:] = target[off : off + len(p)]
+                    off += len(p)
+            h.update(target)
+        return None if h.digest() == checksum else "corrupt"
+
+    def _lost(self, meta: ChunkMeta, header: bytes | None, why: str) -> bool:
+        """A chunk that cannot be served: counted, forgotten, and its header deleted (if still `header`)."""
+        if why == "corrupt":
+            self.corrupt += 1
+            self.m.corrupt.inc()
+            log.warning("remote chunk %s is corrupt: removed", meta.key.hex())
+        else:
+            self.missing += 1
+            self.m.missing.inc()
+        self._presence.drop(meta, time.monotonic())
+        if header is not None:
+            self._delete(meta.ns, meta.key, header, meta.size)
+        return False
+
+    # -- lookups ---------------------------------------------------------------------------------
+
+    def contains(self, key: bytes) -> bool:
+        return self._presence.get(key, time.monotonic()) not in (_UNKNOWN, None)
+
+    def find_prefix(self, chunks: Sequence[Sequence[bytes]],
+                    ns: bytes | None = None) -> list[tuple[ChunkMeta, int]] | None:
+        """From the presence cache: the run of `chunks` the store holds, as FsTier.find_prefix; None (pending)
+        when the run reaches a chunk it does not know, after starting a probe for the rest of the run.
+        `ns`: the lookup's namespace (its keys' names need it); without it, the namespaces this tier saw."""
+        now = time.monotonic()
+        if ns is not None:
+            self._learn(ns)
+        with self._lock:
+            namespaces = [ns] if ns is not None else list(self._namespaces)
+        out: list[tuple[ChunkMeta, int]] = []
+        for i, keys in enumerate(chunks):
+            found = self._longest(keys, now)
+            if found is _UNKNOWN:
+                if not namespaces:  # no name for its keys: a miss
+                    break
+                self._start_probe(namespaces, chunks[i:])
+                self.pending += 1
+                self.m.pending.inc()
+                return None
+            if found is None:
+                break
+            out.append(found)  # type: ignore[arg-type]
+            if found[1] < len(keys):  # type: ignore[index]
+                break
+        return out
+
+    def _longest(self, keys: Sequence[bytes], now: float) -> Found | None | object:
+        """The presence cache's longest leading run of a chunk's block keys: a hit, None (known missing, or
+        on a node whose breaker is open) or _UNKNOWN (a key before any hit is not known)."""
+        for key in reversed(keys):
+            found = self._presence.get(key, now)
+            if found is _UNKNOWN and self._available(self._node_of(key)):
+                return _UNKNOWN
+            if found is not _UNKNOWN and found is not None:
+                return found
+        return None
+
+    def _start_probe(self, namespaces: list[bytes], chunks: Sequence[Sequence[bytes]]) -> None:
+        first = chunks[0][-1]
+        with self._lock:
+            if first in self._probing:
+                return
+            self._probing.add(first)
+        snapshot = [list(keys) for keys in chunks]
+        try:
+            self._jobs.put_nowait(lambda: self._probe(namespaces, snapshot))
+        except queue.Full:
+            with self._lock:
+                self._probing.discard(first)
+
+    def _probe(self, namespaces: list[bytes], chunks: list[list[bytes]]) -> None:
+        """Probe thread: ask the store about the keys that decide the run, a round at a time."""
+        try:
+            for _ in range(PROBE_ROUNDS):
+                keys = self._undecided(chunks)
+                if not keys:
+                    return
+                self._fetch(namespaces, keys)
+        finally:
+            with self._lock:
+                self._probing.discard(chunks[0][-1])
+
+    def _undecided(self, chunks: list[list[bytes]]) -> list[bytes]:
+        """The keys whose answers decide the run next: at the first chunk not known, every unknown last key
+        from there on (its header, or its own alias); if its last key is known missing, its unknown aliases."""
+        now = time.monotonic()
+        for i, keys in enumerate(chunks):
+            found = self._longest(keys, now)
+            if found is _UNKNOWN:
+                if self._presence.get(keys[-1], now) is _UNKNOWN:
+                    rest = (k[-1] for k in chunks[i:])
+                    return [k for k in rest if self._presence.get(k, now) is _UNKNOWN][:PROBE_MAX_KEYS]
+                return [k for k in keys if self._presence.get(k, now) is _UNKNOWN][:PROBE_MAX_KEYS]
+            if found is None or found[1] < len(keys):  # type: ignore[index]
+                return []
+        return []
+
+    def _fetch(self, namespaces: list[bytes], keys: list[bytes]) -> None:
+        """GET the header and alias keys of `keys` (each namespace's), one pipeline per node; record what
+        was found, then the chunks that aliases point to; anything unanswered counts as missing."""
+        now = time.monotonic()
+        headers, pointers = self._get_many([(ns, k, suffix) for ns in namespaces for k in keys for suffix in "ha"])
+        found: dict[bytes, Found] = {}
+        for (ns, key, _), value in headers.items():
+            meta = self._decode(ns, key, value)
+            if meta is not None:
+                self._presence.add(meta, now)
+                found[key] = (meta, meta.blocks)
+        wanted = {}
+        for (ns, key, _), value in pointers.items():
+            if key not in found and len(value) == ALIAS.size:
+                chunk, lead = ALIAS.unpack(value)
+                wanted[key] = (ns, chunk, lead)
+        if wanted:
+            targets, _ = self._get_many([(ns, chunk, "h") for ns, chunk, _ in wanted.values()])
+            for key, (ns, chunk, lead) in wanted.items():
+                value = targets.get((ns, chunk, "h"))
+                meta = self._decode(ns, chunk, value) if value is not None else None
+                if meta is not None and 0 < lead <= len(meta.aliases) and meta.aliases[lead - 1] == key:
+                    self._presence.add(meta, now)
+                    found[key] = (meta, lead)
+        for key, hit in found.items():
+            self._presence.found(key, hit, now)
+        self._presence.missing([k for k in keys if k not in found and self._presence.get(k, now) is _UNKNOWN], now)
+
+    def _get_many(self, items: list[tuple[bytes, bytes, str]]) -> tuple[dict, dict]:
+        """GET (namespace, key, "h" or "a") items, a pipeline per node: (the header values, the alias values)
+        found, by item. A node that fails or is unavailable answers nothing."""
+        by_node: dict[str, list[tuple[bytes, bytes, str]]] = {}
+        for item in items:
+            by_node.setdefault(self._node_of(item[1]), []).append(item)
+        headers: dict = {}
+        aliases: dict = {}
+        client = self._client()
+        for node, batch_items in by_node.items():
+            names = [self._key(*item) for item in batch_items]
+            try:
+                values = self._call(node, "probe", lambda names=names: self._batch(
+                    client, lambda b: [b.get(n) for n in names], 0))
+            except (_Unavailable, glide.RequestError) as exc:
+                if isinstance(exc, glide.RequestError):
+                    self._error("probe", node, exc)
+                continue
+            for item, value in zip(batch_items, values, strict=False):
+                if isinstance(value, bytes):
+                    (headers if item[2] == "h" else aliases)[item] = value
+        return headers, aliases
+
+    def _decode(self, ns: bytes, key: bytes, value: bytes) -> ChunkMeta | None:
+        """The record of a header value read by a probe; None (and the header deleted) if it is corrupt or
+        not that chunk's."""
+        try:
+            meta = decode_header(value[GEN_BYTES:])[0]
+        except CorruptChunk:
+            meta = None
+        if meta is None or meta.key != key or meta.ns != ns:
+            self.corrupt += 1
+            self.m.corrupt.inc()
+            self._delete(ns, key, value, meta.size if meta is not None else 0)
+            return None
+        return meta
+
+    def remove(self, key: bytes, reason: str = "removed") -> bool:
+        """Forget chunk `key` and delete it from the store on the probe thread (if its record is known)."""
+        del reason
+        found = self._presence.get(key, time.monotonic())
+        if found is _UNKNOWN or found is None or found[0].key != key:  # type: ignore[index]
+            return False
+        meta = found[0]  # type: ignore[index]
+        self._presence.drop(meta, time.monotonic())
+
+        def delete() -> None:
+            node, client = self._node_of(key), self._client()
+            try:
+                header = self._call(node, "put", lambda: client.get(self._key(meta.ns, key, "h")))
+            except (_Unavailable, glide.RequestError):
+                return
+            if header is not None:
+                self._delete(meta.ns, key, header, meta.size)
+
+        with contextlib.suppress(queue.Full):  # else it expires
+            self._jobs.put_nowait(delete)
+        return True
+
+    # -- clear, scan, lifecycle --------------------------------------------------------------------
+
+    def clear(self, ns: bytes | None = None) -> Cleared:
+        """SCAN MATCH this prefix's keys (of `ns`) on every master and UNLINK them. `entries` counts chunk
+        headers removed; `nbytes` is 0 (sizes are not read); `failed` counts headers not removed, plus one
+        when the scan itself stopped early (then more may be left: they expire)."""
+        self._presence.forget(ns)
+        pattern = f"{self.prefix}:{ns.hex()}:*" if ns is not None else f"{self.prefix}:*"
+        client = self._client()
+        removed = failed = 0
+        try:
+            for keys in self._scan(client, pattern):
+                headers = sum(k.endswith(b":h") for k in keys)
+                try:
+                    client.unlink(keys)
+                    removed += headers
+                except glide.GlideError as exc:
+                    failed += headers
+                    log.warning("remote clear: UNLINK of %d keys failed: %s", len(keys), exc)
+        except glide.GlideError as exc:
+            failed += 1
+            log.warning("remote clear of %s stopped early: %s", pattern, exc)
+        self._presence.forget(ns)  # what probes recorded while the keys went
+        return Cleared(removed, 0, failed)
+
+    def _scan(self, client: Any, pattern: str) -> Iterable[list[bytes]]:
+        if self.url.cluster:
+            cursor = glide.ClusterScanCursor()
+            while not cursor.is_finished():
+                cursor, keys = client.scan(cursor, match=pattern, count=SCAN_COUNT)
+                if keys:
+                    yield keys
+            return
+        cursor = b"0"
+        while True:
+            cursor, keys = client.scan(cursor, match=pattern, count=SCAN_COUNT)
+            if keys:
+                yield keys
+            if cursor in (b"0", "0"):
+                return
+
+    def scan(self) -> int:
+        """Nothing to rebuild (the store is remote): map the Cluster's slots, measure the RTT and seed the
+        bandwidth with one part's SET and GET of a probe key, read INFO. Returns 0."""
+        self._refresh()
+        tag = os.urandom(16)
+        node, client = self._node_of(tag), self._client()
+        probe_key = f"{self.prefix}:probe:{{{tag.hex()}}}"
+        data, back = os.urandom(PART_BYTES), memoryview(bytearray(PART_BYTES))
+        try:
+            t0 = time.perf_counter()
+            self._call(node, "put", lambda: client.set(probe_key, data, expiry=glide.ExpirySet(
+                glide.ExpiryType.MILLSEC, 60_000)))
+            t1 = time.perf_counter()
+            self._call(node, "get", lambda: client.get(probe_key, buffer=back))
+            t2 = time.perf_counter()
+            self._call(node, "put", lambda: client.unlink([probe_key]))
+        except (_Unavailable, glide.RequestError) as exc:
+            log.warning("remote store %s did not answer at start-up (%s): lookups miss and writes drop until "
+                        "it does", self.path, exc or "unavailable")
+            return 0
+        self._bw.add(PART_BYTES, t0, t1)
+        self._bw.add(PART_BYTES, t1, t2)
+        log.info("remote store %s: RTT %.2f ms, 1 MiB SET %.0f MB/s, GET %.0f MB/s", self.path, self._rtt * 1e3,
+                 PART_BYTES / (t1 - t0) / 1e6, PART_BYTES / (t2 - t1) / 1e6)
+        return 0
+
+    def _masters(self) -> list[str]:
+        return sorted(set(self._slot_nodes))
+
+    def _on_node(self, client: Any, node: str, args: list[str]) -> Any:
+        """A command run on one node (a Cluster's master by address)."""
+        if not self.url.cluster:
+            return client.custom_command(args)
+        host, _, port = node.rpartition(":")
+        return client.custom_command(args, route=glide.ByAddressRoute(host.strip("[]"), int(port)))
+
+    def _refresh(self) -> None:
+        """The Cluster slot map, the RTT (PING) and INFO memory of every master whose breaker is closed."""
+        client = self._client()
+        if self.url.cluster:
+            try:
+                self._map_slots(client.custom_command(["CLUSTER", "SLOTS"], route=glide.RandomNode()))
+            except glide.GlideError as exc:
+                log.debug("remote CLUSTER SLOTS failed: %s", exc)
+        used = capacity = 0
+        rtts = []
+        for node in self._masters():
+            if not self._available(node):
+                continue
+            try:  # an untimed PING first: the first call on a connection includes its setup
+                self._call(node, "probe", lambda node=node: self._on_node(client, node, ["PING"]))
+                t0 = time.perf_counter()
+                self._call(node, "probe", lambda node=node: self._on_node(client, node, ["PING"]))
+                rtts.append(time.perf_counter() - t0)
+                info = self._call(node, "probe", lambda node=node: self._on_node(client, node, ["INFO", "memory"]))
+            except (_Unavailable, glide.RequestError):
+                continue
+            fields = dict(line.split(":", 1) for line in _text(info).splitlines() if ":" in line)
+            used += int(fields.get("used_memory", 0))
+            capacity += int(fields.get("maxmemory", 0))
+        if rtts:
+            self._rtt = sorted(rtts)[len(rtts) // 2]
+            self._used, self._capacity = used, capacity
+
+    def _map_slots(self, reply: Any) -> None:
+        ranges = []
+        for item in reply or []:
+            start, _end, master = item[0], item[1], item[2]
+            host = _text(master[0]) or self.url.nodes[0][0]
+            ranges.append((int(start), self._node_name(host, int(master[1]))))
+        if ranges:
+            ranges.sort()
+            self._slot_starts = [s for s, _ in ranges]
+            self._slot_nodes = [n for _, n in ranges]
+
+    def _run_jobs(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._jobs.get(timeout=TICK_S)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # the thread must survive any one job
+                log.exception("remote probe failed")
+
+    def _run_maintenance(self) -> None:
+        """PING the nodes of open breakers once their reset time passed (an answer closes them); every
+        INFO_REFRESH_S, refresh the slot map, the RTT and INFO."""
+        last = time.monotonic()
+        while not self._stop.wait(TICK_S):
+            for node, brk in list(self._breakers.items()):
+                if brk.open:
+                    self._ping(node, brk)
+            if time.monotonic() - last >= INFO_REFRESH_S:
+                last = time.monotonic()
+                try:
+                    self._refresh()
+                except Exception:
+                    log.exception("remote refresh failed")
+
+    def _ping(self, node: str, brk: _Breaker) -> None:
+        client = self._client()
+        try:
+            brk.call(lambda: self._on_node(client, node, ["PING"]))
+        except Exception:  # still open (OpenedState until its reset time), or failed again
+            return
+        log.info("remote node %s answers again: its breaker closed", node)
+
+    def close(self) -> None:
+        """Stop the probe and maintenance threads and close every client."""
+        self._stop.set()
+        with contextlib.suppress(queue.Full):
+            self._jobs.put_nowait(None)
+        for t in self._threads:
+            t.join(2.0)
+        with self._lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            with contextlib.suppress(glide.GlideError):
+                client.close()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,179 @@
+"""A crash-safe record log in a shared-memory file: its writer may be killed at any instant.
+
+The file (a `Segment`, owner-locked like the L1 segment) is a 4096-byte header and two halves of `half`
+bytes. The header:
+
+    magic "KVTJ" | framing version u16 | version u16 | reserved u32 | half u64 | geometry 4 x u64 |
+    crc32 of the bytes before it u32 | zeros | state word u64 at offset 64
+
+`version` is the owner's record format and `geometry` the facts its records depend on (for L1: segment size,
+page size, page count, segment inode); `open` refuses a journal whose framing, version or geometry differ.
+The state word names the active half (bit 63) and how many of its bytes are committed (the rest).
+
+A record is `length u32 | type u8 | payload | XXH3-64 of the length, type and payload (u64)`. `append`
+writes it after the committed bytes, then advances the state word with one aligned 8-byte store: a writer
+killed inside a record leaves bytes past the committed length, which no reader looks at. `rewrite`
+(compaction) writes the live records into the other half and then flips the word, again one store; killed
+before the flip, the active half is untouched. The old half's memory is then given back (MADV_REMOVE).
+
+Inside the committed bytes every record must verify: one that does not is damage (memory corruption, a
+foreign writer, a bug), not a torn write, and `records` raises JournalDamaged. A caller must then trust no
+part of the journal, not even the records before the damage: a later record may undo an earlier one.
+
+One writer (the file's owner, on one thread); nothing here locks.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import xxhash
+from kvtier.shm.segment import Segment
+
+MAGIC = b"KVTJ"
+FRAMING = 1  # this module's layout: header, state word, record framing
+HEADER_BYTES = 4096
+STATE_OFFSET = 64
+_HEADER = struct.Struct("<4sHHIQ4Q")
+_CRC = struct.Struct("<I")
+_HEAD = struct.Struct("<IB")  # record length, type
+_SUM = struct.Struct("<Q")
+RECORD_OVERHEAD = _HEAD.size + _SUM.size
+_ACTIVE = 1 << 63
+
+
+class JournalMismatch(Exception):
+    """The file is not a journal this code may continue: not one at all, or another framing, version or
+    geometry. The message says which."""
+
+
+class JournalDamaged(Exception):
+    """A committed record does not verify (or does not decode): the journal as a whole is not to be trusted."""
+
+
+def journal_bytes(half: int) -> int:
+    """The file size of a journal with halves of `half` bytes."""
+    return HEADER_BYTES + 2 * half
+
+
+def frame(rtype: int, payload: bytes) -> bytes:
+    """One record, ready to append (and to keep: a record's bytes do not depend on where it is written)."""
+    body = _HEAD.pack(len(payload), rtype) + payload
+    return body + _SUM.pack(xxhash.xxh3_64_intdigest(body))
+
+
+def parse(data: bytes) -> Iterator[tuple[int, memoryview, memoryview]]:
+    """(type, payload, whole record) of each record of a committed log, lazily: JournalDamaged at the first
+    record that does not verify, and a caller then discards what it took before."""
+    view = memoryview(data)
+    pos, end = 0, len(data)
+    while pos < end:
+        if end - pos < RECORD_OVERHEAD:
+            raise JournalDamaged(f"record at byte {pos} is cut short")
+        length, rtype = _HEAD.unpack_from(view, pos)
+        stop = pos + _HEAD.size + length
+        if stop + _SUM.size > end:
+            raise JournalDamaged(f"record at byte {pos} claims {length} bytes past the committed end")
+        if xxhash.xxh3_64_intdigest(view[pos:stop]) != _SUM.unpack_from(view, stop)[0]:
+            raise JournalDamaged(f"record at byte {pos} fails its checksum")
+        yield rtype, view[pos + _HEAD.size : stop], view[pos : stop + _SUM.size]
+        pos = stop + _SUM.size
+
+
+def write_header(buf: mmap.mmap, version: int, half: int, geometry: tuple[int, int, int, int],
+                 framing: int = FRAMING) -> None:
+    """Write the header fields and their crc32, magic last: a file cut short before that is no journal.
+    Used by `Journal.create`, and by tests to stamp an existing journal with another version."""
+    fields = _HEADER.pack(b"\0\0\0\0", framing, version, 0, half, *geometry)
+    buf[4 : _HEADER.size] = fields[4:]
+    buf[_HEADER.size : _HEADER.size + _CRC.size] = _CRC.pack(zlib.crc32(MAGIC + fields[4:]))
+    buf[0:4] = MAGIC
+
+
+class Journal:
+    def __init__(self, segment: Segment, half: int) -> None:
+        self.segment = segment
+        self.half = half
+        buf = segment.buf
+        self._buf = buf
+        # the state word as one aligned uint64: an assignment to it is one 8-byte store
+        self._word = np.ndarray((1,), dtype="<u8", buffer=buf, offset=STATE_OFFSET)
+        state = int(self._word[0])
+        self.active = state >> 63
+        self.length = state & (_ACTIVE - 1)
+        if self.length > half:
+            raise JournalDamaged(f"the state word claims {self.length} committed bytes in a half of {half}")
+
+    @classmethod
+    def create(cls, segment: Segment, version: int, geometry: tuple[int, int, int, int]) -> Journal:
+        """A new, empty journal in a freshly created segment of `journal_bytes(half)` bytes."""
+        half = (segment.size - HEADER_BYTES) // 2
+        if half <= 0 or segment.size != journal_bytes(half):
+            raise ValueError(f"a journal segment is {HEADER_BYTES} bytes plus two halves")
+        segment.buf[STATE_OFFSET : STATE_OFFSET + 8] = bytes(8)
+        write_header(segment.buf, version, half, geometry)
+        return cls(segment, half)
+
+    @classmethod
+    def open(cls, segment: Segment, version: int, geometry: tuple[int, int, int, int]) -> Journal:
+        """The journal in an adopted segment; JournalMismatch unless it is one of this framing, `version`
+        and `geometry`."""
+        buf = segment.buf
+        if segment.size < HEADER_BYTES or buf[0:4] != MAGIC:
+            raise JournalMismatch("not a kvtier journal (no magic)")
+        magic, framing, found, _, half, *geo = _HEADER.unpack_from(buf, 0)
+        if _CRC.unpack_from(buf, _HEADER.size)[0] != zlib.crc32(buf[0 : _HEADER.size]):
+            raise JournalMismatch("the journal header fails its checksum")
+        if framing != FRAMING or found != version:
+            raise JournalMismatch(f"journal format {framing}.{found}; this kvtier reads {FRAMING}.{version}")
+        if tuple(geo) != tuple(geometry):
+            raise JournalMismatch(f"journal written for geometry {tuple(geo)}, not {tuple(geometry)}")
+        if segment.size != journal_bytes(half):
+            raise JournalMismatch(f"journal file of {segment.size} bytes does not hold two halves of {half}")
+        return cls(segment, half)
+
+    def close(self, keep: bool = True) -> None:
+        """Unmap and unlock; the file stays for the next owner unless not `keep`."""
+        del self._word  # the view's export would keep the mapping open
+        self.segment.close(keep)
+
+    def _base(self, half: int) -> int:
+        return HEADER_BYTES + half * self.half
+
+    def committed(self) -> bytes:
+        """A copy of the committed bytes of the active half (the log to `parse`)."""
+        base = self._base(self.active)
+        return self._buf[base : base + self.length]
+
+    def records(self) -> Iterator[tuple[int, memoryview, memoryview]]:
+        return parse(self.committed())
+
+    def append(self, record: bytes) -> bool:
+        """Append one framed record; False (nothing written) when the active half has no room for it."""
+        end = self.length + len(record)
+        if end > self.half:
+            return False
+        start = self._base(self.active) + self.length
+        self._buf[start : start + len(record)] = record
+        self.length = end
+        self._word[0] = (self.active << 63) | end
+        return True
+
+    def rewrite(self, records: bytes) -> None:
+        """Replace the log by `records` (framed, concatenated): written to the other half, then made active."""
+        if len(records) > self.half:
+            raise ValueError(f"{len(records)} bytes of records do not fit a half of {self.half}")
+        old, new = self.active, 1 - self.active
+        start = self._base(new)
+        self._buf[start : start + len(records)] = records
+        self._word[0] = (new << 63) | len(records)
+        self.active, self.length = new, len(records)
+        self.segment.give_back([(self._base(old), self._base(old) + self.half)])  # the old half's memory
+
+    def invalidate(self) -> None:
+        """Make this file no journal at all (its magic zeroed): for a writer that cannot keep it current."""
+        self._buf[0:4] = bytes(4)

