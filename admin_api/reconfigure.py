@@ -4,7 +4,6 @@ and `release_free_memory`, which gives the memory of free L1 pages back to the O
 from __future__ import annotations
 
 import logging
-import mmap
 from typing import Any
 
 from fastapi import APIRouter, Depends, HTTPException
@@ -70,16 +69,9 @@ def set_policy(cache: Cache, daemon: Daemon, name: str) -> dict:
 
 def release_free_memory(daemon: Daemon) -> int:
     """Give the memory of every free L1 page back to the OS (MADV_REMOVE punches a hole in the tmpfs file)."""
-    pool, buf = daemon.cache.store.pool, daemon.segment.buf
-    os_page = mmap.PAGESIZE
-    released = 0
+    pool = daemon.cache.store.pool
     try:
-        for run_start, run_end in extent_byte_ranges(pool.free_extents(), pool.page_size):
-            start = -(-run_start // os_page) * os_page  # the whole OS pages inside the run
-            end = run_end // os_page * os_page
-            if end > start:
-                buf.madvise(mmap.MADV_REMOVE, start, end - start)
-                released += end - start
+        return daemon.segment.give_back(extent_byte_ranges(pool.free_extents(), pool.page_size))
     except OSError as exc:  # not fatal: the pages stay free, only their memory is not returned
         log.warning("could not return free L1 memory to the OS: %s", exc)
-    return released
+        return 0

@@ -52,14 +52,14 @@ class InFlight:
             raise ValueError(f"a load of request {req_id} is in flight already")
         self._loads[req_id] = (self._loader.submit(job), block_ids)
 
-    def store(self, req_id: str, job: Callable[[], None]) -> None:
+    def store(self, req_id: str, job: Callable[[], object]) -> None:
         previous = self._stores.get(req_id)
         if previous is not None:
             previous.result()  # one store per request at a time: a second waits for the first
         self._stores[req_id] = self._storer.submit(self._logged(req_id, job))
 
     @staticmethod
-    def _logged(req_id: str, job: Callable[[], None]) -> Callable[[], None]:
+    def _logged(req_id: str, job: Callable[[], object]) -> Callable[[], None]:
         def run() -> None:
             try:
                 job()

@@ -153,7 +153,7 @@ class Cache:
 
     def round_trips(self) -> dict[str, float]:
         """Measured round trip per lower tier that has one (a network tier), seconds, for lookup replies."""
-        return {t.name: rtt for t in self.tiers if (rtt := getattr(t.tier, "rtt_s", 0.0))}
+        return {t.name: t.tier.rtt_s for t in self.tiers if t.tier.rtt_s}
 
     # -- store and read --------------------------------------------------------------------------
 

@@ -52,7 +52,6 @@ class SchedulerSide(ConnectorSide):
     def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, options, tp_rank=0)
         self._requests: dict[str, _Tracked] = {}
-        self._async = self.asynchronous
         self._async_loads: list[LoadSpec] = []  # planned in update_state_after_alloc, sent in the next step
         self._held: list[str] = []  # finished requests held for their stores, told to the workers next step
         # Break-even: a lower tier pays off only if it delivers a token's KV faster than prefill computes it.
@@ -86,7 +85,7 @@ class SchedulerSide(ConnectorSide):
         hit = tracked.hit_tokens
         tracked.local_tokens = num_computed_tokens
         tracked.external_tokens = max(0, hit - num_computed_tokens)
-        return tracked.external_tokens, self._async and tracked.external_tokens > 0
+        return tracked.external_tokens, self.asynchronous and tracked.external_tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._requests.get(request.request_id)
@@ -94,8 +93,8 @@ class SchedulerSide(ConnectorSide):
             return
         tracked.external_tokens = num_external_tokens
         # a synchronous load is built from the request's first scheduled step
-        tracked.load_pending = num_external_tokens > 0 and not self._async
-        if num_external_tokens <= 0 or not self._async:
+        tracked.load_pending = num_external_tokens > 0 and not self.asynchronous
+        if num_external_tokens <= 0 or not self.asynchronous:
             return
         # An asynchronous load: the request is not scheduled until it is done, so plan it from these blocks.
         block_ids = list(blocks.get_block_ids()[0])
@@ -166,7 +165,7 @@ class SchedulerSide(ConnectorSide):
         loading again after a preemption has had its store finished before its blocks were freed.
         """
         tracked = self._requests.pop(request.request_id, None)
-        hold = self._async and tracked is not None and tracked.saved and tracked.loading is None
+        hold = self.asynchronous and tracked is not None and tracked.saved and tracked.loading is None
         if hold:
             self._held.append(request.request_id)
         return hold, None

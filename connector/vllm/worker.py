@@ -12,6 +12,7 @@ never wrong KV.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -150,8 +151,7 @@ class WorkerSide(ConnectorSide):
             for spec in meta.saves:  # sent now: each records its event after this step's forward
                 op = gpu.store(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids,
                                spec.skip_chunks)
-                self._in_flight.store(spec.req_id, (lambda op=op: gpu.wait(op) and None) if op is not None
-                                      else lambda: None)
+                self._in_flight.store(spec.req_id, partial(gpu.wait, op) if op is not None else lambda: None)
             return
         if self._kv is None:
             return

@@ -96,6 +96,7 @@ class LowerTier(ABC):
     # Whether a tier that cannot take writes makes the server unready (/healthz 503). A shared network tier
     # does not: an outage of it leaves the node serving from L1 and L2, and is reported as degraded.
     required_for_readiness = True
+    rtt_s = 0.0  # a network tier's measured round trip, seconds (sent in lookup replies); 0.0: none or unknown
 
     def health(self) -> tuple[bool, str]:
         """(ok, why not): whether the tier can take writes now. Default: always."""
