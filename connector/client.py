@@ -26,9 +26,18 @@ from typing import Any
 
 import numpy as np
 import zmq
-from kvtier.connector.results import L1_TIER, ChunkHit, LookupResult, ReadChunk, ReadFn, StoreResult, WriteFn
+from kvtier.connector.results import (
+    L1_TIER,
+    ChunkHit,
+    LookupResult,
+    ReadChunk,
+    ReadFn,
+    ReadOutcome,
+    StoreResult,
+    WriteFn,
+)
 from kvtier.server import protocol as p
-from kvtier.server.keys import ChunkKeys, Namespace, chunk_keys
+from kvtier.server.keys import PLAIN, ChunkKeys, Namespace, RequestIdentity, chunk_keys
 from kvtier.shm.client_lock import ClientLock
 from kvtier.shm.pages import PageSpan
 from kvtier.shm.segment import Segment
@@ -470,30 +479,47 @@ class KVTierClient:
 
     # -- lookup ----------------------------------------------------------------------------------
 
-    def lookup(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray) -> LookupResult:
-        """Longest stored prefix of `token_ids` at engine-block granularity."""
-        chunks = chunk_keys(ns, token_ids)
-        return self.lookup_chunks(ns, chunks)
+    def lookup(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray,
+               identity: RequestIdentity = PLAIN, lease: bool = False) -> LookupResult:
+        """Longest stored prefix of `token_ids` at engine-block granularity. With `lease`, the hits found in L1
+        are leased to this client (`LookupResult.lease`; `release` it) so that nothing evicts them before the
+        engine loads them: a lookup's answer is a promise."""
+        chunks = chunk_keys(ns, token_ids, identity)
+        return self.lookup_chunks(ns, chunks, lease)
 
-    def lookup_chunks(self, ns: Namespace, chunks: list[ChunkKeys]) -> LookupResult:
+    def lookup_chunks(self, ns: Namespace, chunks: list[ChunkKeys], lease: bool = False) -> LookupResult:
         if not chunks:
             return LookupResult([], [], [], ns.block_size)
         # msgpack packs the key tuples as arrays: no per-chunk list copies
-        reply = self._request({"op": "lookup", "chunks": [c.block_keys for c in chunks]}, ns)
+        message: dict[str, Any] = {"op": "lookup", "chunks": [c.block_keys for c in chunks]}
+        if lease:
+            message["lease"] = True
+        reply = self._request(message, ns)
         if reply is None:
             return LookupResult([], [], [], ns.block_size)
         return LookupResult(chunks, reply["hits"], reply["tiers"], ns.block_size, reply.get("bw") or {},
-                            reply.get("rtt") or {}, bool(reply.get("pending", False)))
+                            reply.get("rtt") or {}, bool(reply.get("pending", False)), reply.get("lease", 0))
+
+    def release(self, leases: Sequence[int]) -> int:
+        """End leases this client holds (a lookup's); how many the server confirmed held to the end."""
+        if not leases:
+            return 0
+        reply = self._request({"op": "release", "leases": list(leases)})
+        return int(reply["released"]) if reply else 0
+
+    def report(self, counts: dict[str, Any], ns: Namespace | None = None) -> bool:
+        """Send a connector's counts (the `report` op: skipped requests, undelivered tokens, verifications)."""
+        return self._request({"op": "report", **counts}, ns) is not None
 
     # -- store -----------------------------------------------------------------------------------
 
     def store(
         self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, sizes: Callable[[ChunkKeys], int],
-        write: WriteFn, skip_chunks: int = 0,
+        write: WriteFn, skip_chunks: int = 0, identity: RequestIdentity = PLAIN,
     ) -> StoreResult:
         """Store every chunk of `token_ids` from chunk `skip_chunks` on: reserve pages, let `write`
         copy the chunk's bytes into them, commit. Chunks already stored (or being stored) are skipped."""
-        chunks = chunk_keys(ns, token_ids)[skip_chunks:]
+        chunks = chunk_keys(ns, token_ids, identity)[skip_chunks:]
         return self.store_chunks(ns, chunks, sizes, write)
 
     def store_chunks(self, ns: Namespace, chunks: list[ChunkKeys], sizes: Callable[[ChunkKeys], int],
@@ -548,14 +574,14 @@ class KVTierClient:
     # -- retrieve --------------------------------------------------------------------------------
 
     def retrieve(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, read: ReadFn,
-                 max_blocks: int | None = None) -> int:
+                 max_blocks: int | None = None, identity: RequestIdentity = PLAIN) -> int:
         """Copy out the longest stored prefix of `token_ids` (lookup, lease, `read` each chunk, release).
 
         Returns the number of prefix tokens whose bytes `read` received; 0 on a miss or an error, and 0
         when the server could not confirm the lease held to the end (the bytes read may be another chunk's:
         the caller must treat them as a load error).
         """
-        chunks = chunk_keys(ns, token_ids)
+        chunks = chunk_keys(ns, token_ids, identity)
         if not chunks:
             return 0
         got = self._exchange({"op": "lookup", "chunks": [c.block_keys for c in chunks], "acquire": True}, ns)
@@ -563,44 +589,67 @@ class KVTierClient:
             return 0
         return self._read_leased(chunks, *got, read, max_blocks) * ns.block_size
 
-    def retrieve_prefix(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, read: ReadFn) -> int:
+    def retrieve_prefix(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, read: ReadFn,
+                        identity: RequestIdentity = PLAIN) -> int:
         """Copy out exactly the whole blocks of `token_ids` that an earlier lookup found, without a second
         lookup (so hit metrics count the request once). Returns the prefix tokens `read` received."""
-        hits = [ChunkHit(c, len(c.block_keys), L1_TIER) for c in chunk_keys(ns, token_ids)]
-        return self.retrieve_chunks(ns, hits, read) * ns.block_size
+        return self.read_prefix(ns, token_ids, read, identity).blocks * ns.block_size
+
+    def read_prefix(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, read: ReadFn,
+                    identity: RequestIdentity = PLAIN) -> ReadOutcome:
+        """`retrieve_prefix` that also says why it stopped short (ReadOutcome.reason)."""
+        hits = [ChunkHit(c, len(c.block_keys), L1_TIER) for c in chunk_keys(ns, token_ids, identity)]
+        return self._retrieve(ns, hits, read)
 
     def retrieve_chunks(self, ns: Namespace, hits: list[ChunkHit], read: ReadFn) -> int:
         """Copy out chunks a previous lookup found (each at its matched length); returns blocks read."""
+        return self._retrieve(ns, hits, read).blocks
+
+    def _retrieve(self, ns: Namespace, hits: list[ChunkHit], read: ReadFn) -> ReadOutcome:
         if not hits:
-            return 0
+            return ReadOutcome(0)
         keys = [h.chunk.block_keys[h.match - 1] for h in hits]
         got = self._exchange({"op": "acquire", "keys": keys}, ns)
         if got is None:
-            return 0
-        return self._read_leased([h.chunk for h in hits], *got, read, None)
+            return ReadOutcome(0, p.UNDELIVERED_UNREACHABLE)
+        outcome = ReadOutcome(0)
+        outcome.blocks = self._read_leased([h.chunk for h in hits], *got, read, None, outcome)
+        return outcome
 
     def _read_leased(self, chunks: list[ChunkKeys], reply: dict[str, Any], conn: _Connection, read: ReadFn,
-                     max_blocks: int | None) -> int:
-        """Blocks read under the reply's lease, or 0 unless the release confirms the lease held."""
+                     max_blocks: int | None, outcome: ReadOutcome | None = None) -> int:
+        """Blocks read under the reply's lease, or 0 unless the release confirms the lease held; `outcome`
+        learns why fewer blocks than asked were read."""
         blocks = 0
+        why = ""
         try:
             for chunk, item in zip(chunks, reply["items"], strict=False):
                 if item is None:
+                    why = p.UNDELIVERED_MISSING
                     break
                 stored, match, size, extents = item
                 if max_blocks is not None:
                     match = min(match, max_blocks - blocks)
                 span = self._span(conn, extents, size)
                 if match <= 0 or span is None:
+                    why = p.UNDELIVERED_UNREACHABLE if span is None else why
                     break
                 read(ReadChunk(chunk, stored, match, span))
                 blocks += match
                 if match < len(chunk.block_keys):
+                    why = p.UNDELIVERED_MISSING
                     break
+        except Exception:
+            why = p.UNDELIVERED_FAILED
+            raise
         finally:
             released = self._request({"op": "release", "leases": [reply["lease"]]}) if reply.get("lease") else None
+            if outcome is not None:
+                outcome.reason = why
         if blocks and not (released and released.get("released") == 1):
             log.warning("kvtier: a read outlived its lease (or the server went away): %d blocks dropped", blocks)
+            if outcome is not None:
+                outcome.reason = p.UNDELIVERED_LEASE_LOST if released else p.UNDELIVERED_UNREACHABLE
             return 0
         return blocks
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from kvtier.connector.client import KVTierClient, KVTierError, Pending
 from kvtier.server import protocol as p
-from kvtier.server.keys import Namespace, chunk_keys
+from kvtier.server.keys import PLAIN, Namespace, RequestIdentity, chunk_keys
 
 log = logging.getLogger("kvtier.connector")
 
@@ -95,10 +95,10 @@ class GpuTransfers:
             self._settle(oldest)  # every event names an operation in flight: wait for the oldest
 
     def store(self, tag: Hashable, ns: Namespace, token_ids: Sequence[int], block_ids: Sequence[int],
-              skip_chunks: int = 0) -> Operation | None:
+              skip_chunks: int = 0, identity: RequestIdentity = PLAIN) -> Operation | None:
         """Store the whole chunks of `token_ids` (from chunk `skip_chunks`) out of engine blocks `block_ids`
         (one per block of the prompt); None when nothing was sent."""
-        chunks = chunk_keys(ns, token_ids)[skip_chunks:][: p.MAX_STORE_ITEMS]
+        chunks = chunk_keys(ns, token_ids, identity)[skip_chunks:][: p.MAX_STORE_ITEMS]
         if not chunks or not self._ready():
             return None
         bs, m = ns.block_size, self.memory
@@ -108,12 +108,12 @@ class GpuTransfers:
         return self._submit(tag, "store", ns, {"op": "gpu_store", "items": items, "block_ids": ids}, ids)
 
     def load(self, tag: Hashable, ns: Namespace, token_ids: Sequence[int], block_ids: Sequence[int],
-             first_block: int, end_block: int) -> Operation | None:
+             first_block: int, end_block: int, identity: RequestIdentity = PLAIN) -> Operation | None:
         """Load prompt blocks [first_block, end_block) of `token_ids` into `block_ids` (one per prompt block);
         None when nothing was sent (the caller reports those blocks as load errors)."""
         bs = ns.block_size
         keys, firsts, ids = [], [], []
-        for chunk in chunk_keys(ns, token_ids[: end_block * bs]):
+        for chunk in chunk_keys(ns, token_ids[: end_block * bs], identity):
             base = chunk.start_token // bs
             lo, hi = max(first_block - base, 0), min(len(chunk.block_keys), end_block - base)
             if hi > lo:

@@ -8,7 +8,7 @@ interleaves K and V tiles within a block).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from kvtier.shm.pages import PageSpan
@@ -45,3 +45,17 @@ class PagedKV:
             base = (layer_index * stored_blocks + first) * bb
             for b, block_id in enumerate(block_ids):
                 span.read(base + b * bb, layer[block_id])
+
+    def pairs(self, span: PageSpan, stored_blocks: int, first: int, block_ids: Sequence[int]
+              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(the chunk's bytes, the engine's bytes) of blocks first, first+1, ... against engine blocks
+        `block_ids`, layer by layer: what a verification compares."""
+        bb = self.block_bytes
+        if first + len(block_ids) > stored_blocks:
+            raise ValueError("compare past the stored blocks of a chunk")
+        held = np.empty(bb, dtype=np.uint8)
+        for layer_index, layer in enumerate(self.layers):
+            base = (layer_index * stored_blocks + first) * bb
+            for b, block_id in enumerate(block_ids):
+                span.read(base + b * bb, held)
+                yield held, layer[block_id]

@@ -34,6 +34,12 @@ class LookupResult:
     rtt: dict[str, float] = field(default_factory=dict)
     # A tier could not answer for the chunk after the hits yet (a remote probe is running): ask again shortly.
     pending: bool = False
+    # The lease on the hits found in L1 (a lookup with `lease`); 0 = none. The caller releases it.
+    lease: int = 0
+
+    @property
+    def all_in_l1(self) -> bool:
+        return all(tier == L1_TIER for tier in self.tiers)
 
     @functools.cached_property
     def hits(self) -> list[ChunkHit]:
@@ -82,6 +88,15 @@ class StoreResult:
             for reason, n in r.refused.items():
                 out.refused[reason] = out.refused.get(reason, 0) + n
         return out
+
+
+@dataclass
+class ReadOutcome:
+    """Engine blocks a read delivered, and why it stopped short ("" when it did not; else one of
+    protocol.UNDELIVERED_REASONS)."""
+
+    blocks: int
+    reason: str = ""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,11 @@ key_{-1} = H(namespace); key_i = H(key_{i-1} || token ids of chunk i as little-e
 Each chunk is also findable by the keys of its block-boundary prefixes: the key of the first j blocks of
 chunk i is H(key_{i-1} || tokens of those j blocks), so the full-chunk key is the j = blocks-per-chunk case
 and a lookup can end inside a stored chunk at engine-block granularity.
+
+A request identity (what changes KV for the same token ids: a LoRA adapter, images at their positions,
+prompt embeddings) enters the chain too: its root into key_{-1} = H(namespace || "id" || root), and a block's
+extra digest right after that block's tokens, behind the word 0xFFFFFFFF that no token id may take, so the
+hashed stream decodes one way only (docs/vllm.md, "What is in the key").
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ KEY_BYTES = 16
 MAX_NS_STR = 512
 MAX_NS_INT = 1 << 20
 MAX_BLOCKS_PER_CHUNK = 4096
+# The version of the bytes a chunk holds (engine blocks as whole pages, layer-major): part of every namespace.
+PAYLOAD_FORMAT = 1
+_EXTRA_MARK = b"\xff\xff\xff\xff"  # precedes a block's extra digest; token ids stay below 0xFFFFFFFF
 
 
 def digest(data: bytes) -> bytes:
@@ -43,6 +51,10 @@ class Namespace:
     tp_rank: int = 0
     revision: str = ""
     cache_salt: str = ""
+    pp_size: int = 1
+    pp_rank: int = 0
+    model_fingerprint: str = ""  # the weights and config (or an operator-set model id), see identity.py
+    payload_format: int = PAYLOAD_FORMAT
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.chunk_size <= 0:
@@ -51,6 +63,8 @@ class Namespace:
             raise ValueError(f"chunk_size {self.chunk_size} is not a multiple of block_size {self.block_size}")
         if not 0 <= self.tp_rank < self.tp_size:
             raise ValueError(f"tp_rank {self.tp_rank} outside tp_size {self.tp_size}")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ValueError(f"pp_rank {self.pp_rank} outside pp_size {self.pp_size}")
 
     @property
     def blocks_per_chunk(self) -> int:
@@ -98,6 +112,26 @@ def _sorted(value: object) -> object:
 
 
 @dataclass(frozen=True)
+class RequestIdentity:
+    """What makes a request's KV differ from another's with the same token ids in one namespace.
+
+    `root`: a digest of request-wide facts (a LoRA adapter's weights); b"" when there are none.
+    `blocks`: (engine block index, digest of that block's extra facts: images overlapping it, its prompt
+    embedding rows), sorted by block index.
+    """
+
+    root: bytes = b""
+    blocks: tuple[tuple[int, bytes], ...] = ()
+
+    @property
+    def plain(self) -> bool:
+        return not self.root and not self.blocks
+
+
+PLAIN = RequestIdentity()
+
+
+@dataclass(frozen=True)
 class ChunkKeys:
     """Keys of one chunk: `block_keys[j-1]` is the key of its first j blocks; the last is the chunk's own key."""
 
@@ -120,7 +154,8 @@ class ChunkKeys:
         return self.block_keys[:-1]
 
 
-def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray) -> list[ChunkKeys]:
+def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray,
+               identity: RequestIdentity = PLAIN) -> list[ChunkKeys]:
     """Keys for every chunk of `token_ids` that holds at least one whole engine block.
 
     The last chunk may be partial; its trailing tokens that do not fill a block are ignored. Only full
@@ -129,12 +164,16 @@ def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray) -> l
     tokens = np.ascontiguousarray(np.asarray(token_ids, dtype=np.int64))
     if tokens.ndim != 1:
         raise ValueError("token_ids must be one-dimensional")
-    if tokens.size and (tokens.min() < 0 or tokens.max() > 0xFFFFFFFF):
-        raise ValueError("token ids must fit in uint32")
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= 0xFFFFFFFF):
+        raise ValueError("token ids must fit in uint32 (0xFFFFFFFF is reserved)")
     data = tokens.astype("<u4").tobytes()
     bs, cs = namespace.block_size, namespace.chunk_size
     usable = (len(tokens) // bs) * bs
-    prev = digest(namespace.fingerprint())
+    root = namespace.fingerprint()
+    if identity.root:
+        root += b"id" + identity.root
+    prev = digest(root)
+    extras = dict(identity.blocks)
     out: list[ChunkKeys] = []
     for index, start in enumerate(range(0, usable, cs)):
         end = min(start + cs, usable)
@@ -142,6 +181,9 @@ def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray) -> l
         keys = []
         for b in range(start, end, bs):
             hasher.update(data[b * 4 : (b + bs) * 4])
+            extra = extras.get(b // bs) if extras else None
+            if extra is not None:
+                hasher.update(_EXTRA_MARK + extra)
             keys.append(hasher.digest(length=KEY_BYTES))
         out.append(ChunkKeys(index, start, namespace.blocks_per_chunk, tuple(keys)))
         prev = keys[-1]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvtier.server.protocol import SKIP_REASONS, UNDELIVERED_REASONS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 L1 = "l1"  # the memory tier's label; lower tiers label their metrics with their `name`
@@ -31,6 +32,24 @@ class Metrics:
         )
         self.requested_tokens = Counter("kvtier_requested_tokens", "Prompt tokens asked for by lookups", registry=r)
         self.hit_tokens = Counter("kvtier_hit_tokens", "Prompt tokens found by lookups, by tier", ["tier"], registry=r)
+        # reported by connectors (the `report` op)
+        self.identity_skips = Counter(
+            "kvtier_identity_skips", "Requests a connector neither looked up nor stored because a fact of their "
+            "identity could not be established, by reason", ["reason"], registry=r,
+        )
+        self.undelivered_tokens = Counter(
+            "kvtier_undelivered_tokens", "Prompt tokens a lookup promised that the load did not deliver (the engine "
+            "recomputed them), by reason", ["reason"], registry=r,
+        )
+        self.verify_checks = Counter(
+            "kvtier_verify_checks", "Sampled hits recomputed by the engine and compared with what kvtier holds, by "
+            "namespace fingerprint", ["namespace"], registry=r,
+        )
+        self.verify_mismatches = Counter(
+            "kvtier_verify_mismatches", "Sampled hits whose recomputed KV differed from what kvtier holds (an "
+            "identity mistake: kvtier would have served wrong KV), by namespace fingerprint", ["namespace"],
+            registry=r,
+        )
 
     def _traffic(self, r: CollectorRegistry) -> None:
         self.stores = Counter("kvtier_stores", "Chunks committed", registry=r)
@@ -116,6 +135,10 @@ class Metrics:
         for reason in ("capacity", "clear", "resize", "superseded"):
             self.evictions.labels(L1, reason)
         self.entries.labels(L1)
+        for reason in SKIP_REASONS:
+            self.identity_skips.labels(reason)
+        for reason in UNDELIVERED_REASONS:
+            self.undelivered_tokens.labels(reason)
 
 
 class L2Metrics:

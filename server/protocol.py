@@ -30,7 +30,22 @@ MAX_LAYERS = 1024  # layers of one registered GPU memory
 MAX_EVENTS = 256  # interprocess events of one GPU registration
 
 OPS = ("hello", "register", "lookup", "reserve", "commit", "abort", "acquire", "release", "heartbeat", "stats", "bye",
-       "gpu_register", "gpu_unregister", "gpu_store", "gpu_load")
+       "report", "gpu_register", "gpu_unregister", "gpu_store", "gpu_load")
+
+# What a `report` counts (docs/protocol.md): the connector's side of "the right answer or a recompute".
+# Requests not looked up or stored because a fact of their identity could not be established:
+SKIP_MODEL = "model_unknown"  # the model's weights cannot be fingerprinted (set kvtier.model_id)
+SKIP_LORA = "lora_unknown"  # a LoRA adapter whose files cannot be read
+SKIP_MM = "mm_unknown"  # a multimodal item without a hash or position
+SKIP_EMBEDS = "prompt_embeds_unknown"  # prompt embeddings that cannot be read
+SKIP_REASONS = (SKIP_MODEL, SKIP_LORA, SKIP_MM, SKIP_EMBEDS)
+# Tokens a lookup promised to the engine that its load did not deliver (the engine recomputes them):
+UNDELIVERED_UNREACHABLE = "unreachable"  # the server went away between the lookup and the load
+UNDELIVERED_MISSING = "missing"  # the chunk was gone at load time (evicted, failed promotion, corrupt)
+UNDELIVERED_LEASE_LOST = "lease_lost"  # the read outlived its lease: the bytes were not vouched for
+UNDELIVERED_FAILED = "failed"  # the copy itself failed (an error in the connector or the copier)
+UNDELIVERED_REASONS = (UNDELIVERED_UNREACHABLE, UNDELIVERED_MISSING, UNDELIVERED_LEASE_LOST, UNDELIVERED_FAILED)
+MAX_REPORT_COUNT = 1 << 40
 
 # Error codes (the `code` of a failed reply).
 BAD_REQUEST = "bad_request"

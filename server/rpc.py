@@ -52,6 +52,7 @@ class RequestHandler:
             "heartbeat": self._heartbeat,
             "stats": self._stats,
             "bye": self._bye,
+            "report": self._report,
             "gpu_register": lambda ident, m: self._gpu().register(ident, m),
             "gpu_unregister": lambda ident, m: self._gpu().unregister(ident, m),
             "gpu_store": lambda ident, m: self._gpu().store(ident, m),
@@ -151,6 +152,14 @@ class RequestHandler:
         if p.field(m, "acquire", bool, False) and found.hits:
             keys = [chunks[i][match - 1] for i, (_, match) in enumerate(found.hits)]
             return self._leased(ident, fp, keys, reply)
+        if p.field(m, "lease", bool, False) and found.hits:
+            # The answer is a promise: lease the hits already in L1 now, without waiting on promotions (those
+            # are leased by a later lookup once in L1, or by the load's own acquire).
+            keys = [chunks[i][match - 1] for i, ((_, match), tier) in enumerate(zip(found.hits, found.tiers, strict=True))
+                    if tier == L1]
+            lid, _ = self.holds.acquire(self.holds.client(ident), fp, keys)
+            if lid:
+                reply["lease"] = lid
         return reply
 
     def _reserve(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
@@ -215,6 +224,31 @@ class RequestHandler:
         self.holds.client(ident)
         return p.ok(p.request_id(m), server_id=self.server_id, **self.cache.status())
 
+    def _report(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        """Counts a connector kept since its last report (protocol.py: SKIP_REASONS, UNDELIVERED_REASONS, and
+        sampled verifications of namespace `ns`); every field is checked before anything is counted."""
+        self.holds.client(ident)
+        skipped = _counts(m, "skipped", p.SKIP_REASONS)
+        undelivered = _counts(m, "undelivered", p.UNDELIVERED_REASONS)
+        verified = p.int_field(m, "verified", 0, p.MAX_REPORT_COUNT, 0)
+        mismatched = p.int_field(m, "mismatched", 0, verified, 0)
+        label = ""
+        if verified:
+            fp = self._ns(m)
+            self.cache.store.namespace(fp)  # unknown_namespace unless registered
+            label = fp.hex()[:16]
+        for reason, n in skipped.items():
+            self.metrics.identity_skips.labels(reason).inc(n)
+        for reason, n in undelivered.items():
+            self.metrics.undelivered_tokens.labels(reason).inc(n)
+        if verified:
+            self.metrics.verify_checks.labels(label).inc(verified)
+            self.metrics.verify_mismatches.labels(label).inc(mismatched)
+            if mismatched:
+                log.warning("verification: %d of %d sampled hits of namespace %s differ from a recompute",
+                            mismatched, verified, label)
+        return p.ok(p.request_id(m))
+
     def _gpu(self) -> GpuOps:
         if self.gpu is None:
             raise p.ProtocolError(p.GPU_UNAVAILABLE, "this server runs no copy engine", reason=p.NO_COPIER)
@@ -223,3 +257,14 @@ class RequestHandler:
     def _bye(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         self.holds.drop_client(ident)
         return p.ok(p.request_id(m))
+
+
+def _counts(m: dict[str, Any], name: str, reasons: tuple[str, ...]) -> dict[str, int]:
+    """A map of known reasons to non-negative counts (BAD_REQUEST for anything else)."""
+    value = p.field(m, name, dict, {})
+    for reason, n in value.items():
+        if reason not in reasons:
+            raise p.ProtocolError(p.BAD_REQUEST, f"unknown {name} reason {str(reason)[:40]!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= p.MAX_REPORT_COUNT:
+            raise p.ProtocolError(p.BAD_REQUEST, f"{name} counts must be integers in [0, {p.MAX_REPORT_COUNT}]")
+    return value

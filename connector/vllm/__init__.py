@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.vllm.policy import recompute_failed_loads, refuse_unsupported_layers
 from kvtier.connector.vllm.scheduler import SchedulerSide, kv_bytes_per_token
-from kvtier.connector.vllm.worker import WorkerSide, tp_rank
+from kvtier.connector.vllm.worker import WorkerSide, pp_rank, tp_rank
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -73,8 +74,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         side: ConnectorSide
         if role == KVConnectorRole.WORKER:
-            side = self._worker = WorkerSide(vllm_config, self.options, tp_rank())
+            side = self._worker = WorkerSide(vllm_config, self.options, tp_rank(), kv_cache_config, pp_rank())
         else:
+            refuse_unsupported_layers(vllm_config, kv_cache_config)
+            recompute_failed_loads(vllm_config)
             side = self._scheduler = SchedulerSide(vllm_config, self.options, kv_cache_config)
         self.side = side
         side.client.connect()  # a miss-only start if the server is down; the client retries later

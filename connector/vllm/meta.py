@@ -4,17 +4,22 @@ kvtier namespace per request salt)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.client import DEFAULT_URL, ClientConfig, KVTierClient
+from kvtier.connector.tally import Tally
+from kvtier.connector.vllm.identity import IdentityUnknown, model_fingerprint
 from kvtier.connector.vllm.namespace import namespace_for
-from kvtier.server.keys import Namespace
+from kvtier.server.keys import PLAIN, Namespace, RequestIdentity
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+log = logging.getLogger("kvtier.connector")
 
 TOKEN_ENV = "KVTIER_ADMIN_TOKEN"  # the token when kvtier.token is not set: keeps it out of vLLM's argv
 
@@ -34,6 +39,9 @@ class ConnectorOptions:
     pending_wait_ms: float = 100.0  # how long a request may wait for a remote tier's probe before it goes on
     kv_layout: str = ""  # GPU: the KV layout asked of vLLM (e.g. BLNHC, block-major); "" = vLLM's choice
     async_transfers: bool = False  # loads and stores in the background (WAITING_FOR_REMOTE_KVS, held blocks)
+    model_id: str = ""  # names the weights instead of fingerprinting their files (docs/vllm.md, the key)
+    verify_fraction: float = 0.0  # sampled hits recomputed and compared with what kvtier holds (0 = off)
+    verify_tolerance: float = 0.05  # relative L2 difference above which a recomputed block is a mismatch
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:
@@ -46,7 +54,10 @@ class ConnectorOptions:
             if key in extra:
                 kind = type(getattr(cls, name))
                 values[name] = _flag(key, extra[key]) if kind is bool else kind(extra[key])
-        return cls(**values)
+        options = cls(**values)
+        if not 0.0 <= options.verify_fraction <= 1.0:
+            raise ValueError(f"kvtier.verify_fraction must be in [0, 1], not {options.verify_fraction}")
+        return options
 
     def client_config(self) -> ClientConfig:
         return ClientConfig(
@@ -77,6 +88,7 @@ class LoadSpec:
     first_block: int
     end_block: int
     salt: str
+    identity: RequestIdentity = PLAIN
 
 
 @dataclass
@@ -88,6 +100,10 @@ class SaveSpec:
     block_ids: list[int]
     salt: str
     skip_chunks: int = 0
+    identity: RequestIdentity = PLAIN
+    # sampled verification: prompt blocks [0, verify_blocks) were recomputed instead of loaded from kvtier;
+    # compare them with what kvtier holds
+    verify_blocks: int = 0
 
 
 @dataclass
@@ -107,16 +123,30 @@ class ConnectorSide:
     server is down; the client retries later.
     """
 
-    def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, tp_rank: int) -> None:
+    def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, tp_rank: int, kv_cache_config: Any,
+                 pp_rank: int = 0) -> None:
         self.vllm_config = vllm_config
         self.options = options
         self.block_size = vllm_config.cache_config.block_size
         self.tp_rank = tp_rank
+        self.pp_rank = pp_rank
+        self.kv_cache_config = kv_cache_config
         self._namespaces: dict[str, Namespace] = {}
         self.client = KVTierClient(options.client_config())
+        self.tally = Tally(self.client.report)
         # GPU engines always transfer asynchronously (the server's copier moves the blocks)
         self.gpu = vllm_config.device_config.device_type == "cuda"
         self.asynchronous = options.async_transfers or self.gpu
+        # The model's identity: without it no request is looked up or stored (each counted as a skip).
+        self.identity_error = ""
+        self.model_fingerprint = ""
+        try:
+            self.model_fingerprint = model_fingerprint(vllm_config, options.model_id)
+            self.namespace("")
+        except IdentityUnknown as exc:
+            self.identity_error = str(exc)
+            log.warning("kvtier connector: the model's identity cannot be established (%s): every request "
+                        "will be a miss; set kvtier.model_id to a name for these weights", exc)
 
     @property
     def kv_layout(self) -> str:
@@ -128,9 +158,12 @@ class ConnectorSide:
         ns = self._namespaces.get(salt)
         if ns is None:
             salt_full = f"{self.options.cache_salt}|{salt}" if salt else self.options.cache_salt
-            ns = namespace_for(self.vllm_config, self.options.chunk_size, self.tp_rank, salt_full, self.kv_layout)
+            ns = namespace_for(self.vllm_config, self.options.chunk_size, self.tp_rank, salt_full, self.kv_layout,
+                               pp_rank=self.pp_rank, model_fingerprint=self.model_fingerprint,
+                               kv_cache_config=self.kv_cache_config)
             self._namespaces[salt] = ns
         return ns
 
     def shutdown(self) -> None:
+        self.tally.flush(force=True)
         self.client.close()

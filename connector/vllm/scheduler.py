@@ -15,11 +15,16 @@ waited for by the workers before its blocks are reused (worker.py, in_flight.py)
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.connector.results import L1_TIER
+from kvtier.connector.vllm.identity import LoraFingerprints, request_identity
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.server.keys import PLAIN, RequestIdentity
+from kvtier.server.protocol import SKIP_MODEL
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -30,6 +35,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.connector")
 
+# A synchronous load runs in the step its metadata is built for; vLLM's scheduler builds at most this many steps
+# ahead of the one that runs (async scheduling, a pipeline's batch queue), so a lookup's lease on what that load
+# reads is released once this many later steps were built.
+RELEASE_AFTER_STEPS = 4
+
 
 @dataclass
 class _Tracked:
@@ -37,7 +47,11 @@ class _Tracked:
 
     prompt: list[int]
     salt: str
+    identity: RequestIdentity = PLAIN
+    skip: bool = False  # its identity could not be established: never looked up or stored
     asked: float = 0.0  # when vLLM first asked about it (monotonic)
+    lease: int = 0  # the lookup's lease on the L1 hits it promised (released once the load has read them)
+    verify_blocks: int = 0  # sampled for verification: these prompt blocks are recomputed, then compared
     looked_up: bool = False
     block_ids: list[int] = field(default_factory=list)
     hit_tokens: int = 0
@@ -50,8 +64,17 @@ class _Tracked:
 
 class SchedulerSide(ConnectorSide):
     def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, kv_cache_config: Any) -> None:
-        super().__init__(vllm_config, options, tp_rank=0)
+        super().__init__(vllm_config, options, tp_rank=0, kv_cache_config=kv_cache_config)
         self._requests: dict[str, _Tracked] = {}
+        lora_config = getattr(vllm_config, "lora_config", None)
+        self._loras = LoraFingerprints(str(getattr(lora_config, "lora_dtype", "") or ""))
+        self._steps = 0  # build_connector_meta calls so far
+        self._due: dict[int, int] = {}  # lease of a synchronous load -> the step after which it is released
+        self._to_release: list[int] = []  # sent with the next step's metadata
+        self._verify_fraction = options.verify_fraction
+        if self._verify_fraction and self.gpu:
+            log.warning("kvtier connector: kvtier.verify_fraction is not supported on GPU engines yet; ignored")
+            self._verify_fraction = 0.0
         self._async_loads: list[LoadSpec] = []  # planned in update_state_after_alloc, sent in the next step
         self._held: list[str] = []  # finished requests held for their stores, told to the workers next step
         # Break-even: a lower tier pays off only if it delivers a token's KV faster than prefill computes it.
@@ -59,29 +82,59 @@ class SchedulerSide(ConnectorSide):
         self.min_load_bandwidth = (kv_bytes_per_token(kv_cache_config) * options.prefill_tokens_per_s
                                    * vllm_config.parallel_config.tensor_parallel_size)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def _track(self, request: Request) -> _Tracked:
+        """Start tracking a request: its prompt, salt and identity (or why it has none: a counted skip)."""
         prompt = list(request.prompt_token_ids or [])
-        salt = getattr(request, "cache_salt", None) or ""
+        tracked = _Tracked(prompt, getattr(request, "cache_salt", None) or "", asked=time.monotonic())
+        reason = SKIP_MODEL if self.identity_error else ""
+        if not reason:
+            identity = request_identity(request, self.block_size, prompt, self._loras)
+            if isinstance(identity, str):
+                reason = identity
+            else:
+                tracked.identity = identity
+        if reason:
+            tracked.skip = True
+            self.tally.skipped(reason)
+            log.debug("kvtier: request %s skipped (%s)", request.request_id, reason)
+        self._requests[request.request_id] = tracked
+        return tracked
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        tracked = self._requests.get(request.request_id) or self._track(request)
+        if tracked.skip:
+            return 0, False
+        prompt = tracked.prompt
         # At least one prompt token must stay to compute, and only whole blocks load.
         limit = (len(prompt) - 1) // self.block_size * self.block_size
-        tracked = self._requests.get(request.request_id)
-        if tracked is None:
-            tracked = self._requests[request.request_id] = _Tracked(prompt, salt, asked=time.monotonic())
         if not tracked.looked_up:
             # One answered lookup per request: the scheduler may ask again while the request waits for room.
-            # A remote tier still probing answers "pending": vLLM asks again next step (None), up to
-            # `pending_wait_ms`, then the request goes on with what is known.
+            # The answer is a promise: what it found in L1 is leased to this side until the load has read it.
+            # A remote tier still probing answers "pending", and hits in a lower tier are being promoted into
+            # L1: vLLM asks again next step (None), when they are in L1 and leased, up to `pending_wait_ms`;
+            # then the request goes on with what is known (a lower-tier hit's load waits for its promotion).
             if limit > num_computed_tokens:
                 try:
-                    found = self.client.lookup(self.namespace(salt), prompt[:limit])
+                    found = self.client.lookup(self.namespace(tracked.salt), prompt[:limit], tracked.identity,
+                                               lease=True)
                 except Exception:  # a lookup the server refused is a miss: the scheduler must never fail
                     log.exception("kvtier lookup failed for request %s", request.request_id)
                 else:
-                    if found.pending and time.monotonic() - tracked.asked < self.options.pending_wait_ms / 1000:
+                    hit = min(found.tokens_faster_than(self.min_load_bandwidth, self.options.prefill_tokens_per_s),
+                              limit)
+                    in_l1 = sum(m for m, t in zip(found.matches, found.tiers, strict=True) if t == L1_TIER)
+                    if (found.pending or hit > in_l1 * self.block_size) \
+                            and time.monotonic() - tracked.asked < self.options.pending_wait_ms / 1000:
+                        if found.lease:
+                            self._to_release.append(found.lease)
                         return None, False
-                    tracked.hit_tokens = min(found.tokens_faster_than(self.min_load_bandwidth,
-                                                                      self.options.prefill_tokens_per_s), limit)
+                    tracked.lease = found.lease
+                    if hit > num_computed_tokens and self._verify_fraction \
+                            and random.random() < self._verify_fraction:
+                        tracked.verify_blocks, hit = hit // self.block_size, 0  # recomputed, then compared
+                    tracked.hit_tokens = hit
             tracked.looked_up = True
+            self.tally.flush()
         hit = tracked.hit_tokens
         tracked.local_tokens = num_computed_tokens
         tracked.external_tokens = max(0, hit - num_computed_tokens)
@@ -94,6 +147,8 @@ class SchedulerSide(ConnectorSide):
         tracked.external_tokens = num_external_tokens
         # a synchronous load is built from the request's first scheduled step
         tracked.load_pending = num_external_tokens > 0 and not self.asynchronous
+        if num_external_tokens <= 0:
+            self._release(tracked)  # nothing to load: the promise is not needed
         if num_external_tokens <= 0 or not self.asynchronous:
             return
         # An asynchronous load: the request is not scheduled until it is done, so plan it from these blocks.
@@ -101,25 +156,32 @@ class SchedulerSide(ConnectorSide):
         first = tracked.local_tokens // self.block_size
         end = first + num_external_tokens // self.block_size
         self._async_loads.append(LoadSpec(request.request_id, tracked.prompt[: end * self.block_size],
-                                          block_ids[:end], first, end, tracked.salt))
+                                          block_ids[:end], first, end, tracked.salt, tracked.identity))
         tracked.loading = block_ids[first:end]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
         meta = KVTierMetadata(loads=self._async_loads, held=self._held,
                               preempted=sorted(scheduler_output.preempted_req_ids or ()))
         self._async_loads, self._held = [], []
+        self._steps += 1
+        for lease in [lease for lease, step in self._due.items() if step <= self._steps]:
+            del self._due[lease]
+            self._to_release.append(lease)
+        self._flush_releases()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             tracked = self._requests.get(new.req_id)
-            if tracked is None:
-                tracked = self._requests[new.req_id] = _Tracked(list(new.prompt_token_ids or []), "")
+            if tracked is None:  # never asked about: its identity is unknown, so it is neither loaded nor stored
+                tracked = self._requests[new.req_id] = _Tracked(list(new.prompt_token_ids or []), "", skip=True)
             tracked.block_ids = list(new.block_ids[0])
             if tracked.load_pending:
                 first = tracked.local_tokens // self.block_size
                 end = first + tracked.external_tokens // self.block_size
                 meta.loads.append(LoadSpec(new.req_id, tracked.prompt[: end * self.block_size],
-                                           tracked.block_ids[:end], first, end, tracked.salt))
+                                           tracked.block_ids[:end], first, end, tracked.salt, tracked.identity))
                 tracked.load_pending = False
+                if tracked.lease:  # the load runs in this step: its lease goes a few steps later
+                    self._due[tracked.lease] = self._steps + RELEASE_AFTER_STEPS
             self._maybe_save(meta, new.req_id, tracked, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -136,7 +198,7 @@ class SchedulerSide(ConnectorSide):
 
     def _maybe_save(self, meta: KVTierMetadata, req_id: str, tracked: _Tracked, computed_after: int) -> None:
         """Store once, in the step that computes the prompt's last token."""
-        if tracked.saved or computed_after < len(tracked.prompt):
+        if tracked.skip or tracked.saved or computed_after < len(tracked.prompt):
             return
         tracked.saved = True
         whole = len(tracked.prompt) // self.block_size
@@ -145,9 +207,10 @@ class SchedulerSide(ConnectorSide):
         # price of not re-offering a prefix kvtier has evicted while vLLM still caches it.
         chunk = self.options.chunk_size
         skip = max(tracked.hit_tokens, tracked.local_tokens) // chunk
-        if whole and len(tracked.block_ids) >= whole and skip * chunk < whole * self.block_size:
-            meta.saves.append(SaveSpec(req_id, tracked.prompt[: whole * self.block_size],
-                                       tracked.block_ids[:whole], tracked.salt, skip))
+        if whole and len(tracked.block_ids) >= whole and (skip * chunk < whole * self.block_size
+                                                           or tracked.verify_blocks):
+            meta.saves.append(SaveSpec(req_id, tracked.prompt[: whole * self.block_size], tracked.block_ids[:whole],
+                                       tracked.salt, skip, tracked.identity, min(tracked.verify_blocks, whole)))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for req_id in connector_output.finished_recving or ():
@@ -157,6 +220,7 @@ class SchedulerSide(ConnectorSide):
             if not connector_output.invalid_block_ids.isdisjoint(tracked.loading):
                 tracked.hit_tokens = 0  # if vLLM schedules it from scratch again, it recomputes, not reloads
             tracked.loading = None
+            self._release(tracked)  # the asynchronous load has read what the lookup promised
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """Hold the blocks of a finished request whose store may be in flight (asynchronous transfers).
@@ -165,10 +229,28 @@ class SchedulerSide(ConnectorSide):
         loading again after a preemption has had its store finished before its blocks were freed.
         """
         tracked = self._requests.pop(request.request_id, None)
+        if tracked is not None and tracked.lease:  # at once: the engine may go idle after its last request
+            self._release(tracked)
+            self._flush_releases()
         hold = self.asynchronous and tracked is not None and tracked.saved and tracked.loading is None
         if hold:
             self._held.append(request.request_id)
         return hold, None
+
+    def _release(self, tracked: _Tracked) -> None:
+        """Release a request's lookup lease with the next step's metadata (one round trip for all of them)."""
+        if tracked.lease:
+            self._due.pop(tracked.lease, None)
+            self._to_release.append(tracked.lease)
+            tracked.lease = 0
+
+    def _flush_releases(self) -> None:
+        if self._to_release:
+            leases, self._to_release = self._to_release, []
+            try:
+                self.client.release(leases)
+            except Exception:  # a refused release only keeps chunks from eviction until the lease's client goes
+                log.exception("kvtier: releasing %d lookup leases failed", len(leases))
 
 
 def kv_bytes_per_token(kv_cache_config: Any) -> float:

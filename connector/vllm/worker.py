@@ -21,8 +21,10 @@ from kvtier.connector.gpu_transfers import EventSource, GpuTransfers
 from kvtier.connector.in_flight import InFlight
 from kvtier.connector.kv_blocks import PagedKV
 from kvtier.connector.results import ReadChunk
+from kvtier.connector.verify import Difference
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
-from kvtier.server.keys import ChunkKeys
+from kvtier.server import protocol as p
+from kvtier.server.keys import ChunkKeys, chunk_keys
 from kvtier.server.protocol import GpuMemory
 from kvtier.shm.cuda_ipc import CudaError
 
@@ -36,9 +38,11 @@ GPU_EVENTS = 64  # interprocess events per worker: operations in flight at once 
 
 
 class WorkerSide(ConnectorSide):
-    def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, tp_rank: int) -> None:
-        super().__init__(vllm_config, options, tp_rank)
+    def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, tp_rank: int, kv_cache_config: Any,
+                 pp_rank: int = 0) -> None:
+        super().__init__(vllm_config, options, tp_rank, kv_cache_config, pp_rank)
         self._kv: PagedKV | None = None
+        self._kv_dtype = ""  # the engine's KV element type (torch's name), for verification
         self._load_errors: set[int] = set()
         self._in_flight = InFlight() if self.asynchronous else None
         self._gpu: GpuTransfers | None = None
@@ -48,6 +52,8 @@ class WorkerSide(ConnectorSide):
         if any(t.device.type == "cuda" for t in kv_caches.values()):
             self._register_gpu(kv_caches)
             return
+        if self.identity_error:
+            return  # the connector is a no-op: nothing is keyed without the model's identity
         layers = []
         for name, tensor in kv_caches.items():
             if tensor.device.type != "cpu" or not tensor.is_contiguous():
@@ -56,6 +62,7 @@ class WorkerSide(ConnectorSide):
                 return
             layers.append(tensor.view(torch.uint8).reshape(tensor.shape[0], -1).numpy())
         self._kv = PagedKV(layers)
+        self._kv_dtype = str(next(iter(kv_caches.values())).dtype).removeprefix("torch.")
         log.info("kvtier connector: %d layers x %d blocks of %d bytes", len(layers), self._kv.num_blocks,
                  self._kv.block_bytes)
 
@@ -64,6 +71,8 @@ class WorkerSide(ConnectorSide):
         blocks from then on (not yet run on a GPU: docs/vllm.md, "Data path")."""
         from kvtier.connector.vllm.gpu_memory import export  # imports the CUDA runtime on first use
 
+        if self.identity_error:
+            return
         try:
             memory, self._events = export(kv_caches, GPU_EVENTS, self.vllm_config.cache_config.kv_cache_layout)
         except (ValueError, CudaError, OSError) as exc:
@@ -101,21 +110,25 @@ class WorkerSide(ConnectorSide):
         assert self._gpu is not None
         gpu, wanted = self._gpu, set(spec.block_ids[spec.first_block:spec.end_block])
         op = gpu.load(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids, spec.first_block,
-                      spec.end_block)
+                      spec.end_block, spec.identity)
         return (lambda: gpu.wait(op).failed & wanted) if op is not None else (lambda: wanted)
 
     def _missing(self, spec: LoadSpec) -> list[int]:
-        """Load `spec`; the engine blocks that could not be filled (vLLM recomputes them)."""
-        loaded = self._load(spec) if self._kv is not None else set()
+        """Load `spec`; the engine blocks that could not be filled (vLLM recomputes them), counted as
+        undelivered tokens by reason."""
+        loaded, reason = self._load(spec) if self._kv is not None else (set(), p.UNDELIVERED_FAILED)
         missing = [b for i, b in enumerate(spec.block_ids) if spec.first_block <= i < spec.end_block
                    and i not in loaded]
-        if missing and self._kv is not None:
-            log.warning("kvtier: %d of %d blocks of request %s could not be loaded; vLLM recomputes them",
-                        len(missing), spec.end_block - spec.first_block, spec.req_id)
+        if missing:
+            self.tally.undelivered(reason or p.UNDELIVERED_MISSING, len(missing) * self.block_size)
+            if self._kv is not None:
+                log.warning("kvtier: %d of %d blocks of request %s could not be loaded (%s); vLLM recomputes them",
+                            len(missing), spec.end_block - spec.first_block, spec.req_id,
+                            reason or p.UNDELIVERED_MISSING)
         return missing
 
-    def _load(self, spec: LoadSpec) -> set[int]:
-        """Copy the planned blocks in; returns the prompt block indices that arrived."""
+    def _load(self, spec: LoadSpec) -> tuple[set[int], str]:
+        """Copy the planned blocks in; returns the prompt block indices that arrived, and why not more."""
         assert self._kv is not None
         kv = self._kv
         loaded: set[int] = set()
@@ -129,12 +142,13 @@ class WorkerSide(ConnectorSide):
                 loaded.update(range(base + lo, base + hi))
 
         try:
-            if not self.client.retrieve_prefix(self.namespace(spec.salt), spec.token_ids, read):
-                return set()  # nothing, or a read the server could not vouch for: every block recomputes
+            outcome = self.client.read_prefix(self.namespace(spec.salt), spec.token_ids, read, spec.identity)
         except Exception:  # a broken load is a miss; the blocks are reported and recomputed
             log.exception("kvtier load failed for request %s", spec.req_id)
-            return set()
-        return loaded
+            return set(), p.UNDELIVERED_FAILED
+        if not outcome.blocks:
+            return set(), outcome.reason  # nothing, or a read the server could not vouch for: all recompute
+        return loaded, outcome.reason
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -150,7 +164,7 @@ class WorkerSide(ConnectorSide):
             gpu = self._gpu
             for spec in meta.saves:  # sent now: each records its event after this step's forward
                 op = gpu.store(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids,
-                               spec.skip_chunks)
+                               spec.skip_chunks, spec.identity)
                 self._in_flight.store(spec.req_id, partial(gpu.wait, op) if op is not None else lambda: None)
             return
         if self._kv is None:
@@ -167,13 +181,52 @@ class WorkerSide(ConnectorSide):
     def _store(self, spec: SaveSpec) -> None:
         assert self._kv is not None
         kv = self._kv
+        if spec.verify_blocks:
+            self._verify(spec)
 
         def write(chunk: ChunkKeys, span: Any) -> None:
             first = chunk.start_token // self.block_size
             kv.save(span, spec.block_ids[first: first + len(chunk.block_keys)])
 
         self.client.store(self.namespace(spec.salt), np.asarray(spec.token_ids),
-                          lambda c: kv.chunk_bytes(len(c.block_keys)), write, skip_chunks=spec.skip_chunks)
+                          lambda c: kv.chunk_bytes(len(c.block_keys)), write, skip_chunks=spec.skip_chunks,
+                          identity=spec.identity)
+
+    def _verify(self, spec: SaveSpec) -> None:
+        """A sampled hit was recomputed instead of loaded: compare the engine's fresh KV of its blocks with what
+        kvtier holds under their keys, and count the outcome (kvtier_verify_checks/mismatches_total)."""
+        assert self._kv is not None
+        kv, ns = self._kv, self.namespace(spec.salt)
+        diff = Difference()
+        compared = 0
+
+        def read(chunk: ReadChunk) -> None:
+            nonlocal compared
+            base = chunk.chunk.start_token // self.block_size
+            hi = min(chunk.match, spec.verify_blocks - base)
+            if hi > 0:
+                for stored, fresh in kv.pairs(chunk.span, chunk.blocks, 0, spec.block_ids[base: base + hi]):
+                    diff.add(stored, fresh, self._kv_dtype)
+                compared += hi
+
+        try:
+            self.client.read_prefix(ns, spec.token_ids[: spec.verify_blocks * self.block_size], read, spec.identity)
+        except Exception:  # a verification that cannot read is no verdict
+            log.exception("kvtier verification read failed for request %s", spec.req_id)
+            return
+        if not compared:
+            return  # what was promised is gone meanwhile: no verdict
+        mismatch = diff.relative > self.options.verify_tolerance
+        self.tally.verified(ns, mismatch)
+        self.tally.flush(force=True)  # sampled, so rare: the verdict reaches the metrics at once
+        if mismatch:
+            log.warning("kvtier verification: request %s, %d blocks: recomputed KV differs from kvtier's by %.3g "
+                        "(relative L2, tolerance %.3g); first chunk key %s", spec.req_id, compared, diff.relative,
+                        self.options.verify_tolerance,
+                        chunk_keys(ns, spec.token_ids[: self.block_size], spec.identity)[0].key.hex())
+        else:
+            log.debug("kvtier verification: request %s, %d blocks agree (relative L2 %.3g)", spec.req_id, compared,
+                      diff.relative)
 
     def handle_preemptions(self, meta: KVConnectorMetadata) -> None:
         """Before the forward pass reuses a preempted request's blocks, let its store finish reading them."""
@@ -183,6 +236,7 @@ class WorkerSide(ConnectorSide):
                 log.debug("kvtier: waited for %d stores of preempted requests", waited)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self.tally.flush()
         if self._in_flight is None:
             return None, None
         done = self._in_flight.finished(finished_req_ids)
@@ -207,4 +261,14 @@ def tp_rank() -> int:
 
         return get_tensor_model_parallel_rank()
     except Exception:  # not initialised (single process): rank 0
+        return 0
+
+
+def pp_rank() -> int:
+    """This worker's pipeline stage (0 without pipeline parallelism)."""
+    try:
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return get_pp_group().rank_in_group
+    except Exception:  # not initialised (single process): stage 0
         return 0

@@ -48,6 +48,8 @@ LENGTHS = (1020, 2000, 3000, 3500)
 LMCACHE_ENV_SCRIPT = REPO / "scripts" / "lmcache_env.sh"
 EXT = "external_kv_transfer"
 PHASES = ("cold", "local", "reload", "zipf_local")
+# kvtier's configurations: connector options of each ("kvtier-verify": the cost of 0.1 % sampled verification)
+KVTIER_CONFIGS: dict[str, dict[str, object]] = {"kvtier": {}, "kvtier-verify": {"verify_fraction": 0.001}}
 
 
 # --------------------------------------------------------------------------- configurations
@@ -59,6 +61,7 @@ def lmcache_config(port: int) -> dict:
     return {
         "kv_connector": "LMCacheMPConnector",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",  # as kvtier's (harness.kvtier_connector_config): like for like
         "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port},
     }
 
@@ -156,10 +159,10 @@ def run_instance(
     daemon = None
     port = harness.free_port()
     try:
-        if config == "kvtier":
+        if config in KVTIER_CONFIGS:
             kp, kh = harness.free_port(), harness.free_port()
             daemon = harness.start_kvtier(kp, kh, 1.0, python=vllm_py, logdir=logdir)
-            kvc, py = harness.kvtier_connector_config(kp), vllm_py
+            kvc, py = harness.kvtier_connector_config(kp, **KVTIER_CONFIGS[config]), vllm_py
         elif config == "lmcache":
             assert lm_py is not None
             kp, kh = harness.free_port(), harness.free_port()
@@ -284,6 +287,11 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             }
             goals["kvtier_zipf_local_added_ms"] = k["zipf_local"]["mean_ms"] - nn["zipf_local"]["mean_ms"]
             goals["kvtier_local_added_ms"] = k["local"]["mean_ms"] - nn["local"]["mean_ms"]
+    if "kvtier" in out and "kvtier-verify" in out:  # sampled verification's cost, same run
+        k, kv = out["kvtier"], out["kvtier-verify"]
+        goals["verify_reload_ratio"] = kv["reload"]["mean_ms"] / k["reload"]["mean_ms"]
+        goals["verify_cold_ratio"] = kv["cold"]["mean_ms"] / k["cold"]["mean_ms"]
+        goals["verify_zipf_local_ratio"] = kv["zipf_local"]["mean_ms"] / k["zipf_local"]["mean_ms"]
     if "lmcache" in out and "none" in out:
         lm, nn = out["lmcache"], out["none"]
         goals["lmcache_cold_overhead"] = lm["cold"]["mean_ms"] / nn["cold"]["mean_ms"] - 1
@@ -294,7 +302,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(summary: dict[str, Any]) -> str:
-    cfgs = [c for c in ("none", "kvtier", "lmcache") if c in summary]
+    cfgs = [c for c in ("none", *KVTIER_CONFIGS, "lmcache") if c in summary]
     lines = []
     hdr = f"{'':34s}" + "".join(f"{c:>24s}" for c in cfgs)
     lines.append(hdr)
@@ -345,6 +353,11 @@ def table(summary: dict[str, Any]) -> str:
             lines.append(
                 f"kvtier zipf prefix-hit added latency: {g['kvtier_zipf_local_added_ms']:+.2f} ms "
                 f"(goal <= 1 ms); plain prefix-hit phase: {g['kvtier_local_added_ms']:+.2f} ms"
+            )
+        if "verify_reload_ratio" in g:
+            lines.append(
+                f"kvtier-verify (0.1 % sampled verification) / kvtier TTFT: reload {g['verify_reload_ratio']:.3f}x, "
+                f"cold {g['verify_cold_ratio']:.3f}x, zipf prefix-hit {g['verify_zipf_local_ratio']:.3f}x"
             )
         if "lmcache_cold_overhead" in g:
             lines.append(

@@ -22,7 +22,7 @@ CPU_NS = dataclasses.replace(NS, block_size=128)
 
 
 def _tokens(n: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 2**32, size=n, dtype=np.uint64).astype(np.int64)
+    return np.random.default_rng(seed).integers(0, 2**32 - 1, size=n, dtype=np.uint64).astype(np.int64)
 
 
 def _all_keys(chunks) -> list[bytes]:

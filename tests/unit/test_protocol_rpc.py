@@ -118,6 +118,16 @@ REGISTERED_BAD = [
     {"op": "acquire", "keys": KEY},
     {"op": "release", "leases": [None]},
     {"op": "release"},
+    {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "lease": "yes"},
+    {"op": "report", "skipped": {"bogus": 1}},
+    {"op": "report", "skipped": {"lora_unknown": -1}},
+    {"op": "report", "skipped": {"lora_unknown": True}},
+    {"op": "report", "skipped": ["lora_unknown"]},
+    {"op": "report", "undelivered": {"missing": 1.5}},
+    {"op": "report", "undelivered": {"missing": 2**41}},
+    {"op": "report", "verified": 2, "mismatched": 3, "ns": "@NS"},
+    {"op": "report", "verified": 1},
+    {"op": "report", "verified": -1},
 ]
 
 

@@ -1,0 +1,71 @@
+"""The `report` op (a connector's counts on the server's metrics) and the lookup that leases what it found in
+L1 (a lookup's answer is a promise: nothing evicts a leased chunk before the engine loads it)."""
+
+from __future__ import annotations
+
+import pytest
+from kvtier.server import protocol as p
+from kvtier.server.keys import chunk_keys
+
+from tests.unit.test_protocol_rpc import NS, call, registered
+
+pytestmark = pytest.mark.unit
+
+
+def sample(h, name: str, **labels: str) -> float:
+    return h.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_report_counts_skips_undelivered_tokens_and_verifications():
+    h, fp = registered()
+    reply = call(h, {"op": "report", "id": 3, "skipped": {p.SKIP_LORA: 2, p.SKIP_MM: 1},
+                     "undelivered": {p.UNDELIVERED_MISSING: 256, p.UNDELIVERED_LEASE_LOST: 128}})
+    assert reply["ok"], reply
+    assert sample(h, "kvtier_identity_skips_total", reason=p.SKIP_LORA) == 2
+    assert sample(h, "kvtier_identity_skips_total", reason=p.SKIP_MM) == 1
+    assert sample(h, "kvtier_undelivered_tokens_total", reason=p.UNDELIVERED_MISSING) == 256
+    assert sample(h, "kvtier_undelivered_tokens_total", reason=p.UNDELIVERED_LEASE_LOST) == 128
+    assert call(h, {"op": "report", "id": 4, "verified": 5, "mismatched": 2, "ns": fp})["ok"]
+    label = fp.hex()[:16]
+    assert sample(h, "kvtier_verify_checks_total", namespace=label) == 5
+    assert sample(h, "kvtier_verify_mismatches_total", namespace=label) == 2
+
+
+def test_a_refused_report_counts_nothing():
+    h, fp = registered()
+    reply = call(h, {"op": "report", "id": 3, "skipped": {p.SKIP_LORA: 2, "nope": 1}})
+    assert reply["code"] == p.BAD_REQUEST
+    assert sample(h, "kvtier_identity_skips_total", reason=p.SKIP_LORA) == 0
+    reply = call(h, {"op": "report", "id": 4, "verified": 1, "ns": bytes(16)})
+    assert reply["code"] == p.UNKNOWN_NAMESPACE
+
+
+def _store(h, fp, chunks) -> None:
+    items = [p.StoreItem(c.key, 100, len(c.block_keys), c.aliases).to_wire() for c in chunks]
+    reply = call(h, {"op": "reserve", "id": 5, "ns": fp, "items": items})
+    assert call(h, {"op": "commit", "id": 6, "res": [r[1] for r in reply["results"]]})["committed"] == len(chunks)
+
+
+def test_a_leasing_lookup_holds_its_l1_hits_until_released():
+    h, fp = registered()
+    chunks = chunk_keys(NS, list(range(2 * NS.chunk_size)))
+    _store(h, fp, chunks)
+    plain = call(h, {"op": "lookup", "id": 7, "ns": fp, "chunks": [list(c.block_keys) for c in chunks]})
+    assert "lease" not in plain and not h.holds.leases
+    reply = call(h, {"op": "lookup", "id": 8, "ns": fp, "chunks": [list(c.block_keys) for c in chunks],
+                     "lease": True})
+    assert reply["hits"] == [4, 4] and reply["lease"] in h.holds.leases
+    store = h.cache.store
+    entries = [store.entries[c.key] for c in chunks]
+    assert [e.readers for e in entries] == [1, 1] and store.evictable_pages == 0  # nothing can evict them
+    assert call(h, {"op": "release", "id": 9, "leases": [reply["lease"]]})["released"] == 1
+    assert not h.holds.leases
+    assert [e.readers for e in entries] == [0, 0] and store.evictable_pages > 0
+
+
+def test_a_leasing_lookup_that_finds_nothing_takes_no_lease():
+    h, fp = registered()
+    chunks = chunk_keys(NS, list(range(NS.chunk_size)))
+    reply = call(h, {"op": "lookup", "id": 7, "ns": fp, "chunks": [list(c.block_keys) for c in chunks],
+                     "lease": True})
+    assert reply["hits"] == [] and "lease" not in reply and not h.holds.leases
