@@ -20,6 +20,7 @@ import random
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 VOCAB_SIZE = 4096
@@ -115,6 +116,23 @@ def _build_tokenizer(seed: int):
     return fast
 
 
+def publish(out: Path, fill: Callable[[Path], None]) -> Path:
+    """Build a model directory by `fill`ing a temporary sibling of `out`, then renaming it to `out`: an
+    interrupted build never looks complete."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
+    try:
+        fill(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.chmod(0o755)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
 def build(out: Path | None = None, seed: int = 0, force: bool = False) -> Path:
     """Build (or reuse) the tiny model directory and return its path."""
     out = Path(out) if out is not None else default_dir(seed)
@@ -126,9 +144,8 @@ def build(out: Path | None = None, seed: int = 0, force: bool = False) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     p = _params(seed)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp-", dir=out.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         cfg = LlamaConfig(
             vocab_size=p["vocab_size"],
             hidden_size=p["hidden_size"],
@@ -147,14 +164,8 @@ def build(out: Path | None = None, seed: int = 0, force: bool = False) -> Path:
         model.save_pretrained(tmp)
         _build_tokenizer(seed).save_pretrained(tmp)
         (tmp / STAMP).write_text(json.dumps(p, sort_keys=True))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.chmod(0o755)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return publish(out, fill)
 
 
 def main(argv: list[str] | None = None) -> int:
