@@ -500,9 +500,14 @@ class KVTierClient:
         return LookupResult(chunks, reply["hits"], reply["tiers"], ns.block_size, reply.get("bw") or {},
                             reply.get("rtt") or {}, bool(reply.get("pending", False)), reply.get("lease", 0))
 
-    def release(self, leases: Sequence[int]) -> int:
-        """End leases this client holds (a lookup's); how many the server confirmed held to the end."""
+    def release(self, leases: Sequence[int], wait: bool = True) -> int:
+        """End leases this client holds (a lookup's); how many the server confirmed held to the end. Without
+        `wait` the request is only sent (0 is returned): a lookup's lease needs no confirmation, and a server
+        that died meanwhile must not stall the caller for a timeout."""
         if not leases:
+            return 0
+        if not wait:
+            self.submit({"op": "release", "leases": list(leases)})
             return 0
         reply = self._request({"op": "release", "leases": list(leases)})
         return int(reply["released"]) if reply else 0

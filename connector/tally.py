@@ -1,11 +1,11 @@
 """Counts a connector keeps for the server's metrics (the `report` op): requests skipped for want of an
-identity, promised tokens not delivered, sampled verifications. Sent at most once per `every_s` from the
-engine's own calls (no thread of its own); kept while the server cannot be reached."""
+identity, promised tokens not delivered, sampled verifications. A daemon thread, started by the first count,
+sends what was counted once per `every_s` (never on the engine's own calls, and an engine that goes idle still
+reports its last counts); counts a send could not deliver are kept for the next one."""
 
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -23,29 +23,39 @@ class Tally:
         self._skipped: Counter[str] = Counter()
         self._undelivered: Counter[str] = Counter()
         self._verified: dict[Namespace, list[int]] = {}  # namespace -> [checks, mismatches]
-        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def skipped(self, reason: str) -> None:
         with self._lock:
             self._skipped[reason] += 1
+            self._started()
 
     def undelivered(self, reason: str, tokens: int) -> None:
         if tokens > 0:
             with self._lock:
                 self._undelivered[reason] += tokens
+                self._started()
 
     def verified(self, ns: Namespace, mismatched: bool) -> None:
         with self._lock:
             counts = self._verified.setdefault(ns, [0, 0])
             counts[0] += 1
             counts[1] += int(mismatched)
+            self._started()
 
-    def flush(self, force: bool = False) -> None:
-        """Send what was counted, if `every_s` passed since the last send (or `force`)."""
-        now = time.monotonic()
-        if not force and now - self._last < self.every_s:
-            return
-        self._last = now
+    def _started(self) -> None:
+        """Start the sender (the caller holds the lock)."""
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._run, name="kvtier-tally", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what was counted now."""
         with self._lock:
             skipped, undelivered, verified = self._skipped, self._undelivered, self._verified
             self._skipped, self._undelivered, self._verified = Counter(), Counter(), {}
@@ -56,6 +66,13 @@ class Tally:
         for ns, (checks, mismatches) in verified.items():
             if not self._send({"verified": checks, "mismatched": mismatches}, ns):
                 self._keep(Counter(), Counter(), {ns: [checks, mismatches]})
+
+    def close(self) -> None:
+        """Stop the sender and send what is left (once)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self.flush()
 
     def _keep(self, skipped: Counter[str], undelivered: Counter[str], verified: dict[Namespace, list[int]]) -> None:
         """Counts a send could not deliver, added back for the next one."""

@@ -9,6 +9,10 @@ py="$(bash scripts/dev_env.sh | tail -n 1)"
 if ! command -v systemd-analyze >/dev/null 2>&1; then
   apt-get update -qq && apt-get install -y -qq --no-install-recommends systemd >/dev/null
 fi
+# strace slows the L2 reads of tests/e2e/test_load_failures.py past the promotion deadline (fault injection).
+if ! command -v strace >/dev/null 2>&1; then
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends strace >/dev/null
+fi
 # redis-server and redis-cli for the remote-tier tests (tests/integration/redis_servers.py starts them).
 bash scripts/redis_env.sh install
 "$py" -m ruff check .

@@ -26,7 +26,7 @@ SKIP_REASONS = (LORA_UNKNOWN, MM_UNKNOWN, EMBEDS_UNKNOWN)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLE_BYTES = 64 << 10  # bytes read at each sampled offset of a large weight file
-FULL_HASH_LIMIT = 256 << 20  # files up to this size (LoRA adapters, configs) are hashed whole
+FULL_HASH_LIMIT = 32 << 20  # files up to this size (configs, most LoRA adapters) are hashed whole
 # hf_config keys that differ between nodes without changing the weights or the computation
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash")
 

@@ -36,7 +36,7 @@ class ConnectorOptions:
     cache_salt: str = ""
     token: str = ""
     prefill_tokens_per_s: float = 0.0  # the engine's prefill rate: lower-tier hits slower than it are skipped
-    pending_wait_ms: float = 100.0  # how long a request may wait for a remote tier's probe before it goes on
+    pending_wait_ms: float = 250.0  # how long a request may wait for a remote probe or a promotion into L1
     kv_layout: str = ""  # GPU: the KV layout asked of vLLM (e.g. BLNHC, block-major); "" = vLLM's choice
     async_transfers: bool = False  # loads and stores in the background (WAITING_FOR_REMOTE_KVS, held blocks)
     model_id: str = ""  # names the weights instead of fingerprinting their files (docs/vllm.md, the key)
@@ -165,5 +165,5 @@ class ConnectorSide:
         return ns
 
     def shutdown(self) -> None:
-        self.tally.flush(force=True)
+        self.tally.close()
         self.client.close()

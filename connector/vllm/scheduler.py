@@ -109,10 +109,11 @@ class SchedulerSide(ConnectorSide):
         limit = (len(prompt) - 1) // self.block_size * self.block_size
         if not tracked.looked_up:
             # One answered lookup per request: the scheduler may ask again while the request waits for room.
-            # The answer is a promise: what it found in L1 is leased to this side until the load has read it.
-            # A remote tier still probing answers "pending", and hits in a lower tier are being promoted into
-            # L1: vLLM asks again next step (None), when they are in L1 and leased, up to `pending_wait_ms`;
-            # then the request goes on with what is known (a lower-tier hit's load waits for its promotion).
+            # The answer is a promise, so it promises only what is held: what the lookup found in L1 is
+            # leased to this side until the load has read it. A remote tier still probing answers "pending",
+            # and hits in a lower tier are being promoted into L1: vLLM asks again next step (None), when
+            # they are in L1 and leased, for up to `pending_wait_ms`; then the request goes on with the L1
+            # hits alone (a promotion still running is not waited for in the step: it is recomputed).
             if limit > num_computed_tokens:
                 try:
                     found = self.client.lookup(self.namespace(tracked.salt), prompt[:limit], tracked.identity,
@@ -129,12 +130,12 @@ class SchedulerSide(ConnectorSide):
                             self._to_release.append(found.lease)
                         return None, False
                     tracked.lease = found.lease
+                    hit = min(hit, in_l1 * self.block_size)
                     if hit > num_computed_tokens and self._verify_fraction \
                             and random.random() < self._verify_fraction:
                         tracked.verify_blocks, hit = hit // self.block_size, 0  # recomputed, then compared
                     tracked.hit_tokens = hit
             tracked.looked_up = True
-            self.tally.flush()
         hit = tracked.hit_tokens
         tracked.local_tokens = num_computed_tokens
         tracked.external_tokens = max(0, hit - num_computed_tokens)
@@ -248,7 +249,7 @@ class SchedulerSide(ConnectorSide):
         if self._to_release:
             leases, self._to_release = self._to_release, []
             try:
-                self.client.release(leases)
+                self.client.release(leases, wait=False)
             except Exception:  # a refused release only keeps chunks from eviction until the lease's client goes
                 log.exception("kvtier: releasing %d lookup leases failed", len(leases))
 

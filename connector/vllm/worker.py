@@ -218,7 +218,6 @@ class WorkerSide(ConnectorSide):
             return  # what was promised is gone meanwhile: no verdict
         mismatch = diff.relative > self.options.verify_tolerance
         self.tally.verified(ns, mismatch)
-        self.tally.flush(force=True)  # sampled, so rare: the verdict reaches the metrics at once
         if mismatch:
             log.warning("kvtier verification: request %s, %d blocks: recomputed KV differs from kvtier's by %.3g "
                         "(relative L2, tolerance %.3g); first chunk key %s", spec.req_id, compared, diff.relative,
@@ -236,7 +235,6 @@ class WorkerSide(ConnectorSide):
                 log.debug("kvtier: waited for %d stores of preempted requests", waited)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        self.tally.flush()
         if self._in_flight is None:
             return None, None
         done = self._in_flight.finished(finished_req_ids)

@@ -24,7 +24,8 @@ from kvtier.connector.vllm.worker import WorkerSide  # noqa: E402
 
 
 class _Model:
-    model, revision, dtype = "fake-gpu-model", "", "bfloat16"
+    model, revision, dtype, quantization = "fake-gpu-model", "", "bfloat16", None
+    hf_config = SimpleNamespace(hidden_size=256, num_hidden_layers=3)
 
     def get_num_layers(self, parallel) -> int:
         return 3
@@ -38,7 +39,7 @@ class _Model:
 
 def vllm_config() -> SimpleNamespace:
     return SimpleNamespace(
-        model_config=_Model(), parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        model_config=_Model(), parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         cache_config=SimpleNamespace(block_size=BLOCK_TOKENS, cache_dtype="auto", kv_cache_layout="LBNHC"),
         device_config=SimpleNamespace(device_type="cpu"))
 
@@ -63,7 +64,9 @@ def main(url: str) -> None:
     worker = FakeGpuWorker("LBNHC")
     out: dict = {}
     try:
-        side = WorkerSide(vllm_config(), ConnectorOptions(url=url, chunk_size=64, request_timeout_s=10.0), 0)
+        # no weight files to fingerprint: the operator's model id names the weights
+        side = WorkerSide(vllm_config(), ConnectorOptions(url=url, chunk_size=64, request_timeout_s=10.0,
+                                                          model_id="fake-gpu-model"), 0, None)
         side.client.connect()
         side.attach_gpu(worker.memory, worker.events)
         src = list(range(2, 2 + 2 * blocks, 2))  # scattered block ids

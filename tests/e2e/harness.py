@@ -122,12 +122,17 @@ def default_vllm_python() -> Path:
 
 
 def kvtier_connector_config(port: int, **options: object) -> dict:
-    """vLLM's --kv-transfer-config for the kvtier connector; `options` become `kvtier.<name>` keys."""
+    """vLLM's --kv-transfer-config for the kvtier connector; `options` become `kvtier.<name>` keys.
+
+    With `kv_load_failure_policy` "recompute", as docs/quickstart.md and deploy/ set it: blocks the connector
+    reports as not loaded are recomputed (vLLM's default, "fail", answers those requests with HTTP 500).
+    """
     extra = {"kvtier.url": f"tcp://127.0.0.1:{port}", **{f"kvtier.{k}": v for k, v in options.items()}}
     return {
         "kv_connector": "KVTierConnector",
         "kv_connector_module_path": "kvtier.connector.vllm",
         "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": extra,
     }
 
@@ -314,8 +319,12 @@ def start_kvtier(
     timeout: float = 60.0,
     name: str | None = None,
     adopt: bool = False,
+    wrapper: Sequence[str] = (),
 ) -> Proc:
     """Start ``kvtier server`` and wait until it is ready.
+
+    `wrapper`: a command line the server runs under (e.g. ``strace ... --`` to inject faults), in the same
+    process group, so that ``Proc.stop`` ends both.
 
     `adopt`: let it adopt the L1 a previous server on this port left (warm restart). Off by default, so each
     test's server starts empty and a clean stop removes its segment instead of keeping it for a successor.
@@ -325,6 +334,7 @@ def start_kvtier(
     """
     py = Path(python) if python is not None else default_vllm_python()
     cmd = [
+        *wrapper,
         str(py),
         "-m",
         "kvtier.server.cli",
