@@ -1,5 +1,6 @@
 """POST /reconfigure (token required): live changes to the L1 size, the eviction policy and the log level;
-and `release_free_memory`, which gives the memory of free L1 pages back to the OS after a shrink."""
+and `release_free_memory`, which gives the memory of free L1 pages back to the OS after a shrink (refused
+while a GPU copier holds L1 page-locked: server/pinning.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from kvtier.server.cache import Cache
 from kvtier.server.daemon import Daemon
 from kvtier.server.eviction import make_policy
 from kvtier.server.l1.store import ResizeRefused
+from kvtier.server.pinning import lockers
 from kvtier.shm.pages import extent_byte_ranges
 
 log = logging.getLogger("kvtier.admin")
@@ -46,6 +48,13 @@ def resize_l1(cache: Cache, daemon: Daemon, size: int, release_memory: bool) -> 
         raise HTTPException(
             422, f"L1 size must be {pool.page_size}..{pool.segment_pages * pool.page_size} bytes "
                  "(one page up to the shared-memory segment)",
+        )
+    if release_memory and pages < pool.num_pages and (gpus := lockers(daemon.gpu)):
+        raise HTTPException(
+            409, f"cannot give L1 memory back while GPU copiers hold L1 page-locked ({', '.join(gpus)}): the GPUs "
+                 "would keep copying to the old pages while the server and CPU engines see new ones. Shrink with "
+                 "\"release_memory\": false (the budget shrinks, the memory stays with L1), or restart kvtier with "
+                 "a smaller --l1-size-gb",
         )
     try:
         result = store.resize(pages)

@@ -101,6 +101,7 @@ class Pending:
         self.state = _State.WAITING
         self.reply: dict[str, Any] | None = None
         self.forgotten = False  # the server answered that it does not know this client (it restarted)
+        self.patient = False  # a deadline the caller chose: no reply by then does not make the server unreachable
         self._outcome: tuple[dict[str, Any] | None, BaseException | None] | None = None
 
     def done(self) -> bool:
@@ -144,6 +145,8 @@ class KVTierClient:
         self._ids = itertools.count(1)
         self._segment: Segment | None = None
         self.server_id = ""
+        self.hellos = 0  # successful hellos: a server that forgot this client forgot its GPU registrations too
+        self.heartbeat_s = 0.0  # how often the server wants a silent client to heartbeat (its hello reply)
         self._namespaces: dict[Namespace, bytes] = {}
         self._next_attempt = 0.0
         self._alive: ClientLock | None = None  # liveness lock beside the server's segment (docs/protocol.md)
@@ -236,6 +239,8 @@ class KVTierClient:
         self._segment = segment
         link.array, link.page_size = segment.array(), reply["page_size"]
         self.server_id = reply["server_id"]
+        self.heartbeat_s = float(reply.get("heartbeat_s") or 0.0)
+        self.hellos += 1
         self._namespaces = {ns: b"" for ns in self._namespaces}
         log.info("connected to kvtier server %s at %s", self.server_id[:8], self.config.url)
 
@@ -373,8 +378,12 @@ class KVTierClient:
 
     # -- requests with reconnect -----------------------------------------------------------------
 
-    def submit(self, message: dict[str, Any], ns: Namespace | None = None) -> Pending:
+    def submit(self, message: dict[str, Any], ns: Namespace | None = None, timeout_s: float | None = None) -> Pending:
         """Send one request now (saying hello and registering `ns` first if needed); never waits for its reply.
+
+        `timeout_s` replaces the request timeout for an operation the server may legitimately take longer to
+        answer (a GPU copy, a registration that starts a copier): no reply by then is that request's failure
+        only, never a reason to treat the server as unreachable.
 
         While the server is unreachable the request is not sent and resolves to None at once, until the
         backoff passes (so an engine is not slowed down by a dead server). A request whose server restarted
@@ -395,6 +404,8 @@ class KVTierClient:
                     wire = dict(message)
                     if ns is not None:
                         wire["ns"] = self._ns_id(ns)
+                    if "ranks" in wire:  # a lookup's other namespaces: (Namespace, chunks) pairs
+                        wire["ranks"] = [(self._ns_id(other), keys) for other, keys in wire["ranks"]]
                 except KVTierError as exc:
                     if exc.code in _FORGOTTEN and attempt == 0:
                         self._forget(link)
@@ -405,7 +416,9 @@ class KVTierClient:
                     if self.config.strict:
                         raise
                     break
-                return self._send(wire, self.config.request_timeout_s)
+                pending = self._send(wire, self.config.request_timeout_s if timeout_s is None else timeout_s)
+                pending.patient = timeout_s is not None
+                return pending
         pending = Pending(self, _Connection(), 0, 0.0)
         pending.state = _State.LOST
         return pending
@@ -423,17 +436,17 @@ class KVTierClient:
             self._forget(pending.link)
             return None, exc if self.config.strict else None
         if reply is None and pending.state is _State.LOST:
-            if pending.id:  # sent, but no reply by its deadline (or its connection was dropped meanwhile)
+            if pending.id and not pending.patient:  # sent, but no reply by its deadline (or its link dropped)
                 self._unreachable(pending.link)
             if self.config.strict:
                 return None, KVTierUnavailable(f"no reply from {self.config.url} within the timeout")
         return reply, None
 
-    def _exchange(self, message: dict[str, Any], ns: Namespace | None = None
+    def _exchange(self, message: dict[str, Any], ns: Namespace | None = None, timeout_s: float | None = None
                   ) -> tuple[dict[str, Any], _Connection] | None:
         """`request`, with the connection that answered (its segment holds the reply's extents)."""
         for attempt in range(2):
-            pending = self.submit(message, ns)
+            pending = self.submit(message, ns, timeout_s)
             try:
                 reply = pending.result()
             except KVTierError:
@@ -446,13 +459,15 @@ class KVTierClient:
                 return None
         return None
 
-    def request(self, message: dict[str, Any], ns: Namespace | None = None) -> dict[str, Any] | None:
-        """One request with reconnect: re-hello and re-register once if the server restarted.
+    def request(self, message: dict[str, Any], ns: Namespace | None = None, timeout_s: float | None = None
+                ) -> dict[str, Any] | None:
+        """One request with reconnect: re-hello and re-register once if the server restarted (`timeout_s`: as
+        in `submit`).
 
         Returns None when the server is unreachable (non-strict), after which further attempts are
         skipped until the backoff passes, so an engine is not slowed down by a dead server.
         """
-        got = self._exchange(message, ns)
+        got = self._exchange(message, ns, timeout_s)
         return got[0] if got is not None else None
 
     _request = request
@@ -479,21 +494,27 @@ class KVTierClient:
 
     # -- lookup ----------------------------------------------------------------------------------
 
-    def lookup(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray,
-               identity: RequestIdentity = PLAIN, lease: bool = False) -> LookupResult:
+    def lookup(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, identity: RequestIdentity = PLAIN,
+               lease: bool = False, ranks: Sequence[Namespace] = ()) -> LookupResult:
         """Longest stored prefix of `token_ids` at engine-block granularity. With `lease`, the hits found in L1
         are leased to this client (`LookupResult.lease`; `release` it) so that nothing evicts them before the
-        engine loads them: a lookup's answer is a promise."""
+        engine loads them: a lookup's answer is a promise. `ranks`: the namespaces of the engine's other
+        workers (tensor-parallel ranks), each of which stores its own KV of these tokens: the answer is then
+        the prefix every one of them holds, and the lease covers all of them."""
         chunks = chunk_keys(ns, token_ids, identity)
-        return self.lookup_chunks(ns, chunks, lease)
+        return self.lookup_chunks(ns, chunks, lease, [(other, chunk_keys(other, token_ids, identity))
+                                                      for other in ranks])
 
-    def lookup_chunks(self, ns: Namespace, chunks: list[ChunkKeys], lease: bool = False) -> LookupResult:
+    def lookup_chunks(self, ns: Namespace, chunks: list[ChunkKeys], lease: bool = False,
+                      ranks: Sequence[tuple[Namespace, list[ChunkKeys]]] = ()) -> LookupResult:
         if not chunks:
             return LookupResult([], [], [], ns.block_size)
         # msgpack packs the key tuples as arrays: no per-chunk list copies
         message: dict[str, Any] = {"op": "lookup", "chunks": [c.block_keys for c in chunks]}
         if lease:
             message["lease"] = True
+        if ranks:  # their namespaces are registered and named by fingerprint when sent (submit)
+            message["ranks"] = [(other, [c.block_keys for c in other_chunks]) for other, other_chunks in ranks]
         reply = self._request(message, ns)
         if reply is None:
             return LookupResult([], [], [], ns.block_size)

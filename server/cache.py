@@ -38,6 +38,16 @@ class Found:
     pending: bool = False  # a tier could not say yet whether it holds the next chunk (its probe is running)
 
 
+def _cut(found: Found, blocks: int) -> None:
+    """Cut `found` to its first `blocks` matched blocks."""
+    for i, (entry, match) in enumerate(found.hits):
+        if match >= blocks:
+            found.hits[i:] = [(entry, blocks)] if blocks else []
+            del found.tiers[len(found.hits):]
+            return
+        blocks -= match
+
+
 @dataclass
 class Cleared:
     """What a clear removed, per tier: {"entries", "bytes"} (and "failed" for a lower tier)."""
@@ -74,9 +84,34 @@ class Cache:
     # -- lookup ----------------------------------------------------------------------------------
 
     def lookup(self, fp: bytes, chunks: list[list[bytes]]) -> Found:
+        found = self._find(fp, chunks)
+        self._count(found, chunks, self.store.namespace(fp).block_size)
+        return found
+
+    def lookup_ranks(self, ranks: Sequence[tuple[bytes, list[list[bytes]]]]) -> list[Found]:
+        """The prefix that every one of `ranks` holds: (namespace, chunks) per worker of one engine (tensor
+        parallel ranks store their own KV of the same tokens, under their own keys, and each rank's chunks are
+        evicted on their own), every chunk list cut by the same token boundaries. Each rank's answer is cut to
+        the fewest blocks any rank holds; a chunk's tier is L1 only where every rank has it in L1 (else the
+        first lower tier a rank found it in); pending when a rank that holds the fewest may still find more.
+        Counted once, as the first rank's lookup."""
+        founds = [self._find(fp, chunks) for fp, chunks in ranks]
+        held = [sum(match for _, match in found.hits) for found in founds]
+        least = min(held)
+        pending = any(found.pending for found, blocks in zip(founds, held, strict=True) if blocks == least)
+        for found in founds:
+            _cut(found, least)
+        per_chunk = zip(*(found.tiers for found in founds), strict=True)  # cut alike: as many chunks each
+        tiers = [next((t for t in chunk_tiers if t != L1), L1) for chunk_tiers in per_chunk]
+        for found in founds:
+            found.tiers, found.pending = list(tiers), pending
+        fp, chunks = ranks[0]
+        self._count(founds[0], chunks, self.store.namespace(fp).block_size)
+        return founds
+
+    def _find(self, fp: bytes, chunks: list[list[bytes]]) -> Found:
         found = Found(self.store.lookup(fp, chunks))
-        in_l1 = len(found.hits)
-        found.tiers = [L1] * in_l1
+        found.tiers = [L1] * len(found.hits)
         ns = self.store.namespace(fp)
         for tier in self.tiers:
             if len(found.hits) >= len(chunks) or tier.promotions.fenced(fp):
@@ -86,10 +121,9 @@ class Cache:
             self._extend(tier, fp, chunks, found, ns.blocks_per_chunk)  # or none: the next tier may have it
             if found.pending:
                 break
-        self._count(found, chunks, ns.block_size, all_l1=len(found.hits) == in_l1)
         return found
 
-    def _count(self, found: Found, chunks: list[list[bytes]], block_size: int, all_l1: bool) -> None:
+    def _count(self, found: Found, chunks: list[list[bytes]], block_size: int) -> None:
         """The lookup's metrics: requested blocks and tokens, hit tokens by the tier that had them."""
         m = self.metrics
         requested = sum(map(len, chunks))
@@ -98,7 +132,7 @@ class Cache:
         m.requested_tokens.inc(requested * block_size)
         if not found.hits:
             return
-        if all_l1:  # the common case: one sum
+        if found.tiers[-1] == L1:  # the common case (lower-tier hits follow the L1 prefix): one sum
             m.hit_tokens.labels(L1).inc(sum(map(itemgetter(1), found.hits)) * block_size)
             return
         per_tier: dict[str, int] = {}

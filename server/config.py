@@ -74,6 +74,8 @@ class ServerConfig:
     gpu_op_timeout_s: float = _opt(10.0, "GPU engines: seconds a copy may take (event wait included) before its "
                                          "copier counts as hung and is restarted")
     gpu_watchdog_s: float = _opt(5.0, "GPU engines: seconds without a copier heartbeat before it is restarted")
+    gpu_max_copiers: int = _opt(8, "GPU engines: copier processes (one per GPU in use) running or starting at "
+                                   "once; a registration naming one GPU more is refused as no_copier")
     gpu_fake_engine: bool = _opt(False, "accept registrations of the CPU stand-in GPU engine (tests only: it "
                                         "copies from a shared-memory file the client names)")
 
@@ -120,8 +122,10 @@ class ServerConfig:
             )
         int(self.shm_mode, 8)
         tmpfs_options(self.shm_dir)
-        if self.gpu_pin_piece_mb <= 0 or self.gpu_op_timeout_s <= 0 or self.gpu_watchdog_s <= 0:
-            raise ValueError("--gpu-pin-piece-mb, --gpu-op-timeout-s and --gpu-watchdog-s must be positive")
+        if (self.gpu_pin_piece_mb <= 0 or self.gpu_op_timeout_s <= 0 or self.gpu_watchdog_s <= 0
+                or self.gpu_max_copiers <= 0):
+            raise ValueError("--gpu-pin-piece-mb, --gpu-op-timeout-s, --gpu-watchdog-s and --gpu-max-copiers must "
+                             "be positive")
         if self.l2_path and (self.l2_bytes <= 0 or self.l2_queue_depth <= 0):
             raise ValueError("--l2-size-gb and --l2-queue-depth must be positive when --l2-path is set")
         if self.remote_url:

@@ -69,8 +69,10 @@ class Daemon:
         self._copier_restarts: dict[str, int] = {}
         self.gpu = GpuOps(self.cache, Copiers(CopiersConfig(
             os.path.join(self.segment.directory, self.segment.name), self.segment.size, config.page_size,
-            config.gpu_pin_piece_mb << 20, config.gpu_watchdog_s, config.gpu_op_timeout_s), self._copier_changed),
-            self.gpu_metrics, self.segment.size, allow_fake=config.gpu_fake_engine)
+            config.gpu_pin_piece_mb << 20, config.gpu_watchdog_s, config.gpu_op_timeout_s,
+            max_copiers=config.gpu_max_copiers), self._copier_changed),
+            self.gpu_metrics, self.segment.size, copy_timeout_s=config.gpu_op_timeout_s,
+            allow_fake=config.gpu_fake_engine)
         segment_info = {"shm_name": self.segment.name, "shm_dir": config.shm_dir, "shm_size": self.segment.size,
                         "page_size": config.page_size}
         self.handler = RequestHandler(

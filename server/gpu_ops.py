@@ -7,6 +7,10 @@ the chunks, has the copier write them into the engine's blocks, and releases the
 once the copy is done: the worker may reuse its blocks (store) or read them (load) only after the reply.
 While a copier moves bytes, the reservations and leases involved are marked `copying`: a client that dies
 meanwhile never gets those pages handed to anyone else before the copy ended (server/l1/holds.py).
+
+An operation may carry `start_by` (the host's monotonic clock): its worker waits for the reply until then plus
+`copy_timeout_s` (the gpu_register reply says it) and afterwards reuses its blocks, so no copy of it starts
+later, neither here nor in the copier (which checks it again before it touches the engine's memory).
 """
 
 from __future__ import annotations
@@ -37,14 +41,15 @@ class Registration:
 
 
 class GpuOps:
-    def __init__(self, cache: Cache, engine: CopyEngine, metrics: GpuMetrics, segment_size: int,
-                 allow_fake: bool = False) -> None:
+    def __init__(self, cache: Cache, engine: CopyEngine, metrics: GpuMetrics, segment_size: int, *,
+                 copy_timeout_s: float, allow_fake: bool = False) -> None:
         self.cache = cache
         self.holds = cache.holds
         self.engine = engine
         self.metrics = metrics
         self.page_size = cache.store.pool.page_size
         self.segment_size = segment_size
+        self.copy_timeout_s = copy_timeout_s  # the copiers' bound on one operation, once started
         self.allow_fake = allow_fake
         self.registrations: dict[int, Registration] = {}
         self.holds.on_client_gone.append(self.client_gone)
@@ -60,6 +65,7 @@ class GpuOps:
         try:
             rid = await self.engine.register(memory)
         except GpuUnavailable as exc:
+            log.warning("GPU registration refused (%s, pid %d): %s", memory.device, memory.pid, exc)
             raise self._unavailable("gpu_register", exc) from None
         if ident not in self.holds.clients:  # the client left while its handles were being opened
             self.engine.unregister(rid)
@@ -70,7 +76,7 @@ class GpuOps:
         log.info("GPU memory registered: %s %s, %d layers x %d blocks of %d KiB (%s), pid %d, registration %d",
                  memory.engine, memory.device, memory.num_layers, memory.num_blocks, memory.page_bytes >> 10,
                  memory.layout, memory.pid, rid)
-        return p.ok(p.request_id(message), reg=rid)
+        return p.ok(p.request_id(message), reg=rid, copy_timeout_s=self.copy_timeout_s)
 
     def unregister(self, ident: bytes, message: dict[str, Any]) -> dict[str, Any]:
         self.holds.client(ident)
@@ -115,15 +121,18 @@ class GpuOps:
             out.append(tuple(ids))
         return out
 
-    def _operation(self, ident: bytes, message: dict[str, Any]) -> tuple[ClientState, Registration, bytes, int]:
-        """The caller, its registration, the namespace and the event of a gpu_store or gpu_load."""
+    def _operation(self, ident: bytes, message: dict[str, Any]
+                   ) -> tuple[ClientState, Registration, bytes, int, float]:
+        """The caller, its registration, the namespace, the event and the start-by deadline (0: none) of a
+        gpu_store or gpu_load."""
         owner = self.holds.client(ident)
         reg = self._registration(ident, message)
         fp = p.key_field(p.field(message, "ns", bytes), "ns")
-        return owner, reg, fp, p.int_field(message, "event", 0, len(reg.memory.events) - 1)
+        start_by = float(p.field(message, "start_by", (int, float), 0))
+        return owner, reg, fp, p.int_field(message, "event", 0, len(reg.memory.events) - 1), start_by
 
     async def store(self, ident: bytes, message: dict[str, Any]) -> dict[str, Any]:
-        owner, reg, fp, event = self._operation(ident, message)
+        owner, reg, fp, event, start_by = self._operation(ident, message)
         memory = reg.memory
         items = [p.StoreItem.from_wire(v) for v in p.list_field(message, "items", p.MAX_STORE_ITEMS)]
         block_ids = self._block_lists(message, memory, len(items))
@@ -133,7 +142,7 @@ class GpuOps:
                                       "layers x blocks x page_bytes of the registered memory")
         results = self.holds.reserve(owner, fp, items)
         rids = [r[1] for r in results if r[0] == p.RESERVED]
-        copies = [Copy(item.key, ids, 0, item.blocks, tuple(r[2]), item.size)
+        copies = [Copy(item.key, ids, 0, item.blocks, tuple(r[2]), item.size, start_by)
                   for item, ids, r in zip(items, block_ids, results, strict=True) if r[0] == p.RESERVED]
         reason = await self._copy(owner, reg, STORE, copies, event, rids=rids)
         if reason:
@@ -152,7 +161,7 @@ class GpuOps:
         return p.ok(p.request_id(message), results=out)
 
     async def load(self, ident: bytes, message: dict[str, Any]) -> dict[str, Any]:
-        owner, reg, fp, event = self._operation(ident, message)
+        owner, reg, fp, event, start_by = self._operation(ident, message)
         memory = reg.memory
         keys = [p.key_field(k) for k in p.list_field(message, "keys", p.MAX_STORE_ITEMS)]
         firsts = p.int_list_field(message, "first", 0, p.MAX_BLOCKS, p.MAX_STORE_ITEMS)
@@ -168,7 +177,8 @@ class GpuOps:
                     and item.size == memory.num_layers * item.blocks * memory.page_bytes)
             wanted.append(len(ids) if fits else 0)
             if fits:
-                copies.append(Copy(keys[len(wanted) - 1], ids, first, item.blocks, tuple(item.extents), item.size))
+                copies.append(Copy(keys[len(wanted) - 1], ids, first, item.blocks, tuple(item.extents), item.size,
+                                   start_by))
         reason = await self._copy(owner, reg, LOAD, copies, event, lid=lid) if copies else ""
         held = self.holds.release(owner, lid) if lid else True
         if reason or not held:  # bytes the server cannot vouch for: every block is a load error
@@ -190,6 +200,9 @@ class GpuOps:
         except PlanError as exc:  # the server's own extents disagree with the registration: a bug, never a copy
             log.error("GPU %s refused by the planner: %s", direction, exc)
             return "bad_plan"
+        if copies[0].start_by and time.monotonic() > copies[0].start_by:  # e.g. after a long promotion
+            self.metrics.ops.labels(op, p.LATE).inc()
+            return p.LATE
         self.holds.copying(rids, lid)
         started = time.perf_counter()
         try:

@@ -65,7 +65,8 @@ NO_DEVICE = "no_device"  # the server sees no GPU with the registered UUID (CUDA
 IPC_REFUSED = "ipc_refused"  # the driver refused to open the memory or event handles (PID namespaces, MIG)
 NOT_PINNED = "not_pinned"  # L1 is still being page-locked (progress in /status)
 COPIER_FAILED = "copier_failed"  # the copier died or hung during this operation; it is being restarted
-GPU_REASONS = (NO_COPIER, NO_DEVICE, IPC_REFUSED, NOT_PINNED, COPIER_FAILED)
+LATE = "late"  # a gpu_store/gpu_load whose copy could not start by its `start_by`: nothing was copied
+GPU_REASONS = (NO_COPIER, NO_DEVICE, IPC_REFUSED, NOT_PINNED, COPIER_FAILED, LATE)
 
 # Per-item statuses of `reserve`.
 RESERVED = "ok"
@@ -78,6 +79,7 @@ NO_SPACE = "no_space"
 TOO_LARGE = "too_large"
 NOT_ADMITTED = "not_admitted"  # L1 is full and the policy keeps what it holds (docs/performance.md, eviction)
 PREFIX_REFUSED = "prefix_refused"  # an earlier item of the same reserve was refused: this one is unreachable
+MAX_LOOKUP_RANKS = 1024  # other workers (TP ranks) one lookup may name: the frame limit bounds their keys
 
 
 class ProtocolError(Exception):

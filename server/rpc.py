@@ -17,6 +17,7 @@ from kvtier.server.cache import Acquired, Cache
 from kvtier.server.gpu_ops import GpuOps
 from kvtier.server.keys import Namespace
 from kvtier.server.metrics import L1
+from kvtier.server.pinning import unpinned
 from kvtier.server.tokens import token_matches
 
 log = logging.getLogger("kvtier.server")
@@ -142,7 +143,11 @@ class RequestHandler:
         self.holds.client(ident)
         fp = self._ns(m)
         chunks = p.key_lists_field(m, "chunks")
-        found = self.cache.lookup(fp, chunks)
+        ranks = [(fp, chunks), *self._other_ranks(m, chunks)]
+        if self.gpu is not None and any(unpinned(self.gpu, ns) for ns, _ in ranks):
+            return p.ok(p.request_id(m), hits=[], tiers=[])  # a copier cannot load them yet (pinning.py)
+        founds = self.cache.lookup_ranks(ranks) if len(ranks) > 1 else [self.cache.lookup(fp, chunks)]
+        found = founds[0]
         reply = p.ok(p.request_id(m), hits=[match for _, match in found.hits], tiers=found.tiers)
         if found.tiers and found.tiers[-1] != L1:  # lower-tier hits follow the L1 prefix
             reply["bw"] = self.cache.bandwidths()
@@ -153,14 +158,32 @@ class RequestHandler:
             keys = [chunks[i][match - 1] for i, (_, match) in enumerate(found.hits)]
             return self._leased(ident, fp, keys, reply)
         if p.field(m, "lease", bool, False) and found.hits:
-            # The answer is a promise: lease the hits already in L1 now, without waiting on promotions (those
-            # are leased by a later lookup once in L1, or by the load's own acquire).
-            keys = [chunks[i][match - 1] for i, ((_, match), tier) in enumerate(zip(found.hits, found.tiers, strict=True))
+            # The answer is a promise: lease the hits already in L1 now (every rank's), without waiting on
+            # promotions (those are leased by a later lookup once in L1, or by the load's own acquire).
+            keys = [rank_chunks[i][match - 1] for (_, rank_chunks), rank_found in zip(ranks, founds, strict=True)
+                    for i, ((_, match), tier) in enumerate(zip(rank_found.hits, rank_found.tiers, strict=True))
                     if tier == L1]
-            lid, _ = self.holds.acquire(self.holds.client(ident), fp, keys)
+            lid, _ = self.holds.acquire(self.holds.client(ident), fp, keys, [ns for ns, _ in ranks[1:]])
             if lid:
                 reply["lease"] = lid
         return reply
+
+    @staticmethod
+    def _other_ranks(m: dict[str, Any], chunks: list[list[bytes]]) -> list[tuple[bytes, list[list[bytes]]]]:
+        """A lookup's `ranks`: [ns, chunks] of each other worker of the engine (TP ranks), every chunk list
+        cut at the same tokens as `chunks` (so each chunk has as many block keys)."""
+        if "ranks" not in m:
+            return []
+        ranks = []
+        shape = list(map(len, chunks))
+        for item in p.list_field(m, "ranks", p.MAX_LOOKUP_RANKS):
+            if not isinstance(item, list) or len(item) != 2:
+                raise p.ProtocolError(p.BAD_REQUEST, "each item of 'ranks' is [ns, chunks]")
+            rank_chunks = p.key_lists_field({"chunks": item[1]}, "chunks")
+            if list(map(len, rank_chunks)) != shape:
+                raise p.ProtocolError(p.BAD_REQUEST, "each rank's chunks must have as many blocks as 'chunks'")
+            ranks.append((p.key_field(item[0], "ns"), rank_chunks))
+        return ranks
 
     def _reserve(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         owner = self.holds.client(ident)

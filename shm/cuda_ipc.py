@@ -29,6 +29,11 @@ RUNTIME_NAMES = ("libcudart.so", "libcudart.so.13", "libcudart.so.12")
 DRIVER_NAME = "libcuda.so.1"
 _BATCH_ABI = 12080  # cuMemcpyBatchAsync as CUDA 12.8 declared it (with failIdx); CUDA 13 drivers still serve it
 _SRC_ACCESS_ORDER_STREAM = 1  # the sources are read in stream order (after the engine's event)
+_INVALID_VALUE = 1  # cudaErrorInvalidValue: what cudaIpcGetMemHandle answers for memory without a legacy handle
+_NOT_IPC_MEMORY = (" (this allocation has no legacy CUDA IPC handle: only cudaMalloc memory has one, and vLLM's sleep "
+                   "mode (--enable-sleep-mode, its cumem allocator), PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "
+                   "or backend:cudaMallocAsync put the KV cache in VMM memory or a memory pool; run vLLM without them "
+                   "to use kvtier's GPU path)")
 
 _void_p, _int, _uint, _size_t, _u64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_uint64
 _ptr = ctypes.POINTER
@@ -163,7 +168,8 @@ def device_uuid(ordinal: int) -> str:
 def mem_handle(base: int) -> bytes:
     """The cudaIpcMemHandle_t of the allocation starting at device pointer `base`."""
     handle = _Handle()
-    _rt("cudaIpcGetMemHandle", ctypes.byref(handle), base)
+    code = _runtime().cudaIpcGetMemHandle(ctypes.byref(handle), base)
+    _check_runtime("cudaIpcGetMemHandle" + (_NOT_IPC_MEMORY if code == _INVALID_VALUE else ""), code)
     return bytes(handle)
 
 

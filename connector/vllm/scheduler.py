@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.results import L1_TIER
 from kvtier.connector.vllm.identity import LoraFingerprints, request_identity
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
-from kvtier.server.keys import PLAIN, RequestIdentity
+from kvtier.server.keys import PLAIN, Namespace, RequestIdentity
 from kvtier.server.protocol import SKIP_MODEL
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ class SchedulerSide(ConnectorSide):
     def __init__(self, vllm_config: VllmConfig, options: ConnectorOptions, kv_cache_config: Any) -> None:
         super().__init__(vllm_config, options, tp_rank=0, kv_cache_config=kv_cache_config)
         self._requests: dict[str, _Tracked] = {}
+        self._ranks: dict[str, list[Namespace]] = {}  # per salt: the namespaces of the other TP ranks
         lora_config = getattr(vllm_config, "lora_config", None)
         self._loras = LoraFingerprints(str(getattr(lora_config, "lora_dtype", "") or ""))
         self._steps = 0  # build_connector_meta calls so far
@@ -117,7 +118,7 @@ class SchedulerSide(ConnectorSide):
             if limit > num_computed_tokens:
                 try:
                     found = self.client.lookup(self.namespace(tracked.salt), prompt[:limit], tracked.identity,
-                                               lease=True)
+                                               lease=True, ranks=self._other_ranks(tracked.salt))
                 except Exception:  # a lookup the server refused is a miss: the scheduler must never fail
                     log.exception("kvtier lookup failed for request %s", request.request_id)
                 else:
@@ -140,6 +141,16 @@ class SchedulerSide(ConnectorSide):
         tracked.local_tokens = num_computed_tokens
         tracked.external_tokens = max(0, hit - num_computed_tokens)
         return tracked.external_tokens, self.asynchronous and tracked.external_tokens > 0
+
+    def _other_ranks(self, salt: str) -> list[Namespace]:
+        """The namespaces of TP ranks 1.. (this side's is rank 0's): every rank stores its own KV of a prompt
+        under its own keys and each rank's chunks are evicted on their own, so a lookup promises only the
+        prefix every rank holds (docs/vllm.md, "Tensor parallelism")."""
+        ranks = self._ranks.get(salt)
+        if ranks is None:
+            ns = self.namespace(salt)
+            ranks = self._ranks[salt] = [replace(ns, tp_rank=rank) for rank in range(1, ns.tp_size)]
+        return ranks
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         tracked = self._requests.get(request.request_id)

@@ -12,6 +12,7 @@ never wrong KV.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +75,8 @@ class WorkerSide(ConnectorSide):
         if self.identity_error:
             return
         try:
-            memory, self._events = export(kv_caches, GPU_EVENTS, self.vllm_config.cache_config.kv_cache_layout)
+            memory, self._events = export(kv_caches, GPU_EVENTS, self.vllm_config.cache_config.kv_cache_layout,
+                                          num_blocks=self.kv_cache_config.num_blocks)
         except (ValueError, CudaError, OSError) as exc:
             log.warning("kvtier connector: this GPU KV cache cannot be registered (%s); connector disabled", exc)
             return
@@ -82,13 +84,12 @@ class WorkerSide(ConnectorSide):
 
     def attach_gpu(self, memory: GpuMemory, events: EventSource) -> None:
         """Move this worker's blocks through the server's copier from now on (`events`: where the worker
-        records what its stream reached). Tests attach the CPU stand-in's memory here."""
+        records what its stream reached). Registration runs on GpuTransfers' keeper thread: until it is made,
+        loads and stores are misses. Tests attach the CPU stand-in's memory here."""
         self._gpu = GpuTransfers(self.client, memory, events)
         if self._in_flight is None:
             self._in_flight = InFlight()
-        if self._gpu.register():
-            log.info("kvtier connector: GPU %s, layout %s, %d layers x %d blocks of %d bytes", memory.device,
-                     memory.layout, memory.num_layers, memory.num_blocks, memory.page_bytes)
+        self._gpu.start()
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         """Carry out the step's loads (`meta`: the metadata bound for this step), or start them (async)."""
@@ -104,14 +105,30 @@ class WorkerSide(ConnectorSide):
         for spec in meta.loads:
             self._load_errors.update(self._missing(spec))
 
-    def _gpu_load(self, spec: LoadSpec) -> Any:
+    def _gpu_load(self, spec: LoadSpec) -> Callable[[], set[int]]:
         """Send a GPU load now (its event recorded on vLLM's stream, after this step's forward); the job
-        that waits for its reply and names the blocks that did not arrive."""
+        that waits for its reply and names the blocks that did not arrive. Any failure is a miss: every
+        block is reported and recomputed, counted as undelivered tokens."""
         assert self._gpu is not None
         gpu, wanted = self._gpu, set(spec.block_ids[spec.first_block:spec.end_block])
-        op = gpu.load(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids, spec.first_block,
-                      spec.end_block, spec.identity)
-        return (lambda: gpu.wait(op).failed & wanted) if op is not None else (lambda: wanted)
+        unsent = p.UNDELIVERED_UNREACHABLE  # None: not registered (yet), nothing was sent
+        try:
+            op = gpu.load(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids, spec.first_block,
+                          spec.end_block, spec.identity)
+        except Exception:
+            log.exception("kvtier: GPU load of request %s failed; vLLM recomputes its blocks", spec.req_id)
+            op, unsent = None, p.UNDELIVERED_FAILED
+
+        def missing() -> set[int]:
+            done = gpu.wait(op) if op is not None else None
+            failed = done.failed & wanted if done is not None else wanted
+            if failed:  # no reply: unreachable; a copy that failed; no reason: the chunks were gone
+                reason = (unsent if done is None else done.reason if done.reason == p.UNDELIVERED_UNREACHABLE
+                          else p.UNDELIVERED_FAILED if done.reason else p.UNDELIVERED_MISSING)
+                self.tally.undelivered(reason, len(failed) * self.block_size)
+            return failed
+
+        return missing
 
     def _missing(self, spec: LoadSpec) -> list[int]:
         """Load `spec`; the engine blocks that could not be filled (vLLM recomputes them), counted as
@@ -163,8 +180,12 @@ class WorkerSide(ConnectorSide):
         if self._gpu is not None and self._in_flight is not None:
             gpu = self._gpu
             for spec in meta.saves:  # sent now: each records its event after this step's forward
-                op = gpu.store(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids,
-                               spec.skip_chunks, spec.identity)
+                try:
+                    op = gpu.store(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids,
+                                   spec.skip_chunks, spec.identity)
+                except Exception:  # a dropped store is only a future miss
+                    log.exception("kvtier: GPU store of request %s failed; dropped", spec.req_id)
+                    op = None
                 self._in_flight.store(spec.req_id, partial(gpu.wait, op) if op is not None else lambda: None)
             return
         if self._kv is None:
@@ -248,6 +269,8 @@ class WorkerSide(ConnectorSide):
     def shutdown(self) -> None:
         if self._in_flight is not None:
             self._in_flight.close()
+        if self._gpu is not None:
+            self._gpu.close()
         super().shutdown()  # its bye closes the server's GPU registrations
         if self._events is not None:
             self._events.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from kvtier.server import protocol as p
@@ -246,17 +246,19 @@ class Holds:
 
     # -- read ------------------------------------------------------------------------------------
 
-    def acquire(self, owner: ClientState, fp: bytes, keys: Iterable[bytes]
+    def acquire(self, owner: ClientState, fp: bytes, keys: Iterable[bytes], also: Collection[bytes] = ()
                 ) -> tuple[int, list[AcquiredChunk | None]]:
-        """Lease the chunks of namespace `fp` found under `keys` so they stay put while the client copies
-        them out."""
+        """Lease the chunks of namespace `fp` (or of the namespaces `also`: a lookup of every TP rank) found
+        under `keys` so they stay put while the client copies them out."""
         self._may_hold_pages(owner)
-        self.store.namespace(fp)
+        namespaces = {fp, *also}
+        for ns in namespaces:
+            self.store.namespace(ns)
         entries: list[Entry] = []
         out: list[AcquiredChunk | None] = []
         for key in keys:
             found = self.store.index.get(key)
-            if found is None or found[0].ns != fp:
+            if found is None or found[0].ns not in namespaces:
                 out.append(None)
                 continue
             entry, match = found

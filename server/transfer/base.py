@@ -44,6 +44,7 @@ class Copy:
     blocks: int
     extents: tuple[int, ...]  # (first page, page count, ...) as everywhere in the protocol
     size: int  # the chunk's bytes in its pages
+    start_by: float = 0.0  # its operation's start-by deadline (time.monotonic() of this host; 0: none)
 
     def __post_init__(self) -> None:
         if (len(self.key) != KEY_BYTES or not self.block_ids or len(self.extents) % 2 or not self.extents

@@ -11,7 +11,9 @@ mapping of an engine's memory outlives the daemon; on the way out it closes ever
 Messages are msgpack maps, each prefixed by its length (FRAME). Daemon -> copier: register {reg, memory},
 unregister {reg} (no reply), copy {reg, direction, copies, event}. Copier -> daemon: hello {ok, pid | reason,
 detail} once, heartbeat {pinned, total, error}, reply {id, ok | reason, detail, hung}; `hung` says that a
-stream is stuck (an event never fired) and the copier must be replaced.
+stream is stuck (an event never fired) and the copier must be replaced. A copy whose copies carry a `start_by`
+(the worker's deadline, the host's monotonic clock) that has passed when it reaches the head of its stream is
+answered LATE without touching the engine's memory: its worker has stopped waiting and reuses its blocks.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ import socket
 import struct
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-from kvtier.server.protocol import COPIER_FAILED, NO_COPIER, NOT_PINNED, GpuMemory, ProtocolError
+from kvtier.server.protocol import COPIER_FAILED, LATE, NO_COPIER, NOT_PINNED, GpuMemory, ProtocolError
 from kvtier.server.transfer.base import LOAD, STORE, Copy, DeviceBackend, GpuUnavailable
 from kvtier.server.transfer.plan import plan
 
@@ -70,12 +73,12 @@ class FrameReader:
 
 
 def copy_to_wire(copy: Copy) -> list[Any]:
-    return [copy.key, list(copy.block_ids), copy.first, copy.blocks, list(copy.extents), copy.size]
+    return [copy.key, list(copy.block_ids), copy.first, copy.blocks, list(copy.extents), copy.size, copy.start_by]
 
 
 def copy_from_wire(item: Sequence[Any]) -> Copy:
-    key, block_ids, first, blocks, extents, size = item
-    return Copy(key, tuple(block_ids), first, blocks, tuple(extents), size)
+    key, block_ids, first, blocks, extents, size, start_by = item
+    return Copy(key, tuple(block_ids), first, blocks, tuple(extents), size, start_by)
 
 
 @dataclass(frozen=True)
@@ -248,6 +251,10 @@ class Copier:
                 entries = plan(registration.memory, copies, args.page_size, args.segment_size, args.piece_bytes)
             except (ValueError, TypeError) as exc:
                 self.reply(op.id, GpuUnavailable(INVALID, str(exc)))
+                continue
+            start_by = min((c.start_by for c in copies if c.start_by), default=0.0)
+            if start_by and time.monotonic() > start_by:  # its worker no longer waits: never touch its blocks
+                self.reply(op.id, GpuUnavailable(LATE, f"started {time.monotonic() - start_by:.3f} s after start_by"))
                 continue
             try:
                 self.backend.run(registration.opened, op.direction, entries, op.event, args.op_timeout_s)

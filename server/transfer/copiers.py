@@ -1,12 +1,18 @@
 """The daemon's CopyEngine: one copier process per (engine, GPU) (server/transfer/copier.py), spawned at the
 first registration for that GPU, supervised and replaced when it fails.
 
-Everything here runs on the serving loop and never blocks it: the processes are asyncio subprocesses, their
-sockets are non-blocking and read with loop.add_reader. A copier whose heartbeats stop for `watchdog_s`, that
-exits, whose operation outlives `op_timeout_s` or which says a stream hung is SIGKILLed (its exit unmaps every
-engine's memory it had open); its in-flight operations fail with COPIER_FAILED, a new one is spawned and the
-registrations it held are opened there again under the same ids. A copier that cannot start (no cupy, no such
-GPU) fails its registrations with the reason it gave; the next registration for that GPU tries again.
+Everything here runs on the serving loop and never blocks it: a process is spawned on a worker thread, its
+exit is watched through a pidfd and its socket is non-blocking, both read with loop.add_reader. A copier
+whose heartbeats stop for `watchdog_s`, that exits, whose operation outlives `op_timeout_s` or which says a
+stream hung is SIGKILLed at once (its exit unmaps every engine's memory it had open); only once the process
+has exited do its in-flight operations fail with COPIER_FAILED (so that no reservation, lease or engine
+block is handed on while a DMA of it may still run), then a new one is spawned and the registrations it held
+are opened there again under the same ids.
+A copier that cannot start (no cupy, no such GPU) fails its registrations with the reason it gave, and so do
+the registrations for that GPU in the next VERDICT_S, without a new process; then the GPU is forgotten (and
+leaves /status) and the next registration tries again. At most `max_copiers` copiers run (or start) at once:
+a registration naming one GPU more is refused as NO_COPIER without a process, so a client naming made-up
+GPUs costs a bounded number of processes.
 This module never imports the backends (cupy stays out of the daemon).
 """
 
@@ -16,8 +22,10 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import subprocess
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +37,7 @@ from kvtier.server.transfer.copier import INVALID, CopierArgs, FrameReader, copy
 log = logging.getLogger("kvtier.server.transfer")
 
 STOP_TIMEOUT_S = 5.0  # how long a closing copier may take to close its registrations before it is killed
+VERDICT_S = 60.0  # how long a GPU whose copier could not start answers that failure without a new process
 
 Observer = Callable[[dict[str, Any]], None]  # gets a copier's status entry when its pinning or restarts change
 
@@ -41,6 +50,7 @@ class CopiersConfig:
     piece_bytes: int
     watchdog_s: float
     op_timeout_s: float
+    max_copiers: int = 8  # copier processes running or starting at once
     start_timeout_s: float = 30.0  # a copier's import of cupy and CUDA context creation
 
 
@@ -53,6 +63,19 @@ class _Registration:
     @property
     def key(self) -> tuple[str, str]:
         return self.memory.engine, self.memory.device
+
+
+def _spawn(argv: list[str], theirs: socket.socket) -> tuple[subprocess.Popen[bytes], int]:
+    """Start a copier process (on a worker thread) that inherits `theirs` (closed here then); with a pidfd that
+    turns readable when it exits."""
+    with theirs:
+        proc = subprocess.Popen(argv, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+    try:
+        return proc, os.pidfd_open(proc.pid)
+    except OSError:
+        proc.kill()
+        proc.wait()
+        raise
 
 
 def _error(reply: dict[str, Any]) -> Exception:
@@ -73,11 +96,14 @@ class _Copier:
         self.loop = asyncio.get_running_loop()
         self.state = "starting"  # starting -> serving -> restarting -> starting ...; failed; closed
         self.restarts = 0
+        self.failed_at = 0.0  # time.monotonic() it gave up
         self.pinned = 0
         self.pin_error = ""
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.ready: asyncio.Future[None] = self.loop.create_future()
+        self.exited: asyncio.Future[None] = self.loop.create_future()  # done once the current process is gone
+        self.exited.set_result(None)
         self.failure: asyncio.Event = asyncio.Event()
         self.failure_why = ""
         self.pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -111,18 +137,25 @@ class _Copier:
             raise GpuUnavailable(COPIER_FAILED, "the copier did not come back in time") from exc
 
     async def request(self, message: dict[str, Any]) -> dict[str, Any]:
-        """Send and await the reply; an operation outliving op_timeout_s replaces the copier."""
+        """Send and await the reply. An operation outliving op_timeout_s, or whose reply says a stream hung,
+        kills the copier; it answers only once that process has exited."""
         if self.sock is None or self.failure.is_set():
             raise GpuUnavailable(COPIER_FAILED, f"the copier is {self.state}")
         op_id = next(self._ids)
         reply = self.pending[op_id] = self.loop.create_future()
+        exited = self.exited
         self.send({**message, "id": op_id})
         try:
-            return await asyncio.wait_for(reply, self.config.op_timeout_s)
+            answer = await asyncio.wait_for(asyncio.shield(reply), self.config.op_timeout_s)
         except TimeoutError as exc:
             self.pending.pop(op_id, None)
             self.fail(f"{message['op']} took longer than {self.config.op_timeout_s} s")
-            raise GpuUnavailable(COPIER_FAILED, f"{message['op']} timed out; the copier is being restarted") from exc
+            await asyncio.shield(exited)
+            raise GpuUnavailable(COPIER_FAILED, f"{message['op']} timed out; the copier was killed") from exc
+        if answer.get("hung"):
+            self.fail(f"a {message.get('direction')} stream hung: {answer['detail']}")
+            await asyncio.shield(exited)
+        return answer
 
     def send(self, message: dict[str, Any]) -> None:
         if self.sock is None:
@@ -185,7 +218,8 @@ class _Copier:
     # --- failure and supervision ---------------------------------------------------------------------------
 
     def fail(self, why: str) -> None:
-        """Fail every in-flight operation and have the supervisor replace the process."""
+        """Kill the process now; its in-flight operations fail once it has exited (_exit), and the supervisor
+        replaces it."""
         if self.failure.is_set() or self.state in ("closed", "failed"):
             return
         self.failure_why = why
@@ -193,7 +227,26 @@ class _Copier:
         if self.ready.done():
             self.ready = self.loop.create_future()
         self.state = "restarting"
-        self._fail_pending(why)
+        self._signal_kill()
+
+    def _signal_kill(self) -> None:
+        self._detach()  # no reply of this process is believed any more
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+    async def _exit(self, proc: subprocess.Popen[bytes], pidfd: int) -> None:
+        """Once `proc` has exited (nothing of it can touch memory any more), reap it and fail what it held."""
+        gone = self.loop.create_future()
+        self.loop.add_reader(pidfd, lambda: gone.done() or gone.set_result(None))
+        try:
+            await gone
+        finally:
+            self.loop.remove_reader(pidfd)
+            os.close(pidfd)
+        proc.wait()  # it has exited: this only reaps it
+        self.fail(f"the copier exited with status {proc.returncode}")
+        self._fail_pending(self.failure_why or "the copy engine is closing")
 
     def _fail_pending(self, why: str) -> None:
         pending, self.pending = self.pending, {}
@@ -227,6 +280,7 @@ class _Copier:
     async def _start(self) -> None:
         self.state = "starting"
         self.failure.clear()
+        self.failure_why = ""
         self.pinned, self.pin_error = 0, ""
         self._reader = FrameReader()
         self._out = bytearray()
@@ -234,14 +288,15 @@ class _Copier:
         c = self.config
         args = CopierArgs(c.segment_path, c.segment_size, c.page_size, self.key[0], self.key[1], c.piece_bytes,
                           c.op_timeout_s, theirs.fileno())
-        try:
-            self.proc = await asyncio.create_subprocess_exec(*args.argv(), pass_fds=(theirs.fileno(),),
-                                                             stdin=subprocess.DEVNULL)
+        try:  # off the loop: a fork of a large daemon takes a while
+            self.proc, pidfd = await asyncio.to_thread(_spawn, args.argv(), theirs)
         except OSError as exc:
             ours.close()
             raise GpuUnavailable(NO_COPIER, f"cannot start a copier: {exc}") from exc
-        finally:
-            theirs.close()
+        except asyncio.CancelledError:
+            ours.close()  # a copier that starts all the same (the engine is closing) reads EOF and exits
+            raise
+        self.exited = self.loop.create_task(self._exit(self.proc, pidfd))
         ours.setblocking(False)
         self.sock = ours
         self._last_beat = self.loop.time()
@@ -276,6 +331,7 @@ class _Copier:
     def _give_up(self, exc: GpuUnavailable) -> None:
         log.warning("copier of %s %s cannot run: %s", *self.key, exc)
         self.state = "failed"
+        self.failed_at = time.monotonic()
         for registration in self.registrations.values():
             if registration.key == self.key:
                 registration.failure = exc
@@ -292,12 +348,9 @@ class _Copier:
             self.sock = None
 
     async def _kill(self) -> None:
-        self._detach()
-        self._fail_pending(self.failure_why or "the copier stopped")
-        if self.proc is not None and self.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.kill()
-            await self.proc.wait()
+        """SIGKILL the process and wait until it has exited and its operations failed."""
+        self._signal_kill()
+        await asyncio.shield(self.exited)
 
     async def stop(self) -> None:
         """Close the daemon's end (the copier closes its registrations and exits); kill it if it lingers."""
@@ -306,17 +359,13 @@ class _Copier:
         with contextlib.suppress(asyncio.CancelledError):
             await self.task
         self._detach()
-        self._fail_pending("the copy engine is closing")
         if not self.ready.done():
             self.ready.set_exception(GpuUnavailable(COPIER_FAILED, "the copy engine is closing"))
             self.ready.exception()
-        if self.proc is not None and self.proc.returncode is None:
-            try:
-                await asyncio.wait_for(self.proc.wait(), STOP_TIMEOUT_S)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    self.proc.kill()
-                await self.proc.wait()
+        try:
+            await asyncio.wait_for(asyncio.shield(self.exited), STOP_TIMEOUT_S)
+        except TimeoutError:
+            await self._kill()
 
 
 class Copiers(CopyEngine):
@@ -329,10 +378,26 @@ class Copiers(CopyEngine):
         self._closed = False
 
     def _copier(self, key: tuple[str, str]) -> _Copier:
+        """The GPU's copier; one that could not start in the last VERDICT_S (its wait_ready raises why), else a
+        new one, unless max_copiers run already."""
+        self._forget_failed()
         copier = self._copiers.get(key)
-        if copier is None or copier.state == "failed":
-            copier = self._copiers[key] = _Copier(key, self.config, self._registrations, self.observer)
+        if copier is not None:
+            return copier
+        running = sum(c.state != "failed" for c in self._copiers.values())
+        if running >= self.config.max_copiers:
+            raise GpuUnavailable(NO_COPIER, f"{running} copiers run already (--gpu-max-copiers "
+                                 f"{self.config.max_copiers}); {key[1]} gets none")
+        copier = self._copiers[key] = _Copier(key, self.config, self._registrations, self.observer)
         return copier
+
+    def _forget_failed(self) -> None:
+        """Drop failed copiers past VERDICT_S, and the oldest beyond max_copiers of them (/status stays short)."""
+        failed = sorted((c for c in self._copiers.values() if c.state == "failed"), key=lambda c: c.failed_at)
+        now = time.monotonic()
+        for i, copier in enumerate(failed):
+            if now - copier.failed_at > VERDICT_S or len(failed) - i > self.config.max_copiers:
+                del self._copiers[copier.key]
 
     async def register(self, memory: GpuMemory) -> int:
         if self._closed:
@@ -362,19 +427,19 @@ class Copiers(CopyEngine):
         if direction not in (STORE, LOAD) or not 0 <= event < len(held.memory.events):
             raise ValueError(f"copy {direction!r} on event {event} of {len(held.memory.events)}")
         copier = self._copiers.get(held.key)
-        if copier is None:
-            raise GpuUnavailable(COPIER_FAILED, "the copy engine is closed")
+        if copier is None:  # closed, or failed and forgotten
+            why = held.failure or GpuUnavailable(COPIER_FAILED, "the copy engine is closed")
+            raise GpuUnavailable(why.reason, why.detail)
         await copier.wait_ready()
         if held.failure is not None:
             raise GpuUnavailable(held.failure.reason, held.failure.detail)
         reply = await copier.request({"op": "copy", "reg": registration, "direction": direction,
                                       "copies": [copy_to_wire(c) for c in copies], "event": event})
         if not reply["ok"]:
-            if reply.get("hung"):
-                copier.fail(f"a {direction} stream hung: {reply['detail']}")
             raise _error(reply)
 
     def status(self) -> dict[str, Any]:
+        self._forget_failed()
         return {"copiers": [copier.status() for copier in self._copiers.values()]}
 
     async def close(self) -> None:

@@ -4,8 +4,11 @@ It page-locks the mapped L1 segment in pieces (cudaHostRegister), opens an engin
 (LazyEnablePeerAccess) and interprocess events, and gives each registration one stream per direction. A copy
 makes its stream wait on the engine's event (cudaStreamWaitEvent), enqueues the DMA entries (one
 cuMemcpyBatchAsync when the driver has it and there are BATCH_MIN or more, else one cudaMemcpyAsync each)
-and polls the stream until it is idle or `timeout_s` passed. Only cupy.cuda.runtime calls present in both
-cupy-cuda12x (13.x) and cupy-cuda13x (14.x) are used; the driver calls cupy lacks are in shm/cuda_ipc.py.
+and polls the stream until it is idle or `timeout_s` passed. A driver that has cuMemcpyBatchAsync but rejects
+a call gets that copy's entries again one by one, and every later copy of this process goes per entry. When
+the size of the opened mapping cannot be queried, the registered size stands (every entry is still checked
+against it by plan.py). Only cupy.cuda.runtime calls present in both cupy-cuda12x (13.x) and cupy-cuda13x
+(14.x) are used; the driver calls cupy lacks are in shm/cuda_ipc.py.
 
 Failures as server/transfer/fake.py reports them: an unknown GPU is NO_DEVICE, handles that do not open (or
 open memory of another GPU, or less than registered) are IPC_REFUSED or NO_DEVICE, an event that never fires
@@ -17,6 +20,7 @@ sticky one, which poisons the context) is raised as is, so that the copier is re
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +31,7 @@ from kvtier.server.protocol import COPIER_FAILED, IPC_REFUSED, NO_DEVICE, GpuMem
 from kvtier.server.transfer.base import LOAD, STORE, DeviceBackend, Entry, GpuUnavailable
 from kvtier.shm import cuda_ipc
 
+log = logging.getLogger("kvtier.server.transfer")
 runtime = cupy.cuda.runtime
 BATCH_MIN = 4  # entries from which one batch call beats a cudaMemcpyAsync each (~0.6 us vs several per entry)
 MAX_PAUSE_S = 200e-6  # longest sleep between two polls of a busy stream
@@ -62,6 +67,7 @@ class CudaBackend(DeviceBackend):
         self._ordinal = uuids.index(device)
         self._segment = np.empty(0, np.uint8)
         self._host = 0  # the mapped segment's address
+        self._batch = True  # until the driver lacks or rejects cuMemcpyBatchAsync: then one call per entry
 
     def _use(self) -> None:
         """Make the GPU current on the calling thread (the copier calls from several)."""
@@ -88,7 +94,12 @@ class CudaBackend(DeviceBackend):
         try:
             with _failing(IPC_REFUSED, "the opened memory"):
                 owner = runtime.pointerGetAttributes(opened.base).device
+            try:
                 _, size = cuda_ipc.address_range(opened.base)
+            except (cuda_ipc.CudaError, OSError, AttributeError) as exc:
+                log.warning("the size of %s's opened memory is unknown (%s): the registered %d bytes stand",
+                            memory.device, exc, memory.alloc_size)
+                size = memory.alloc_size
             if owner != self._ordinal:
                 raise GpuUnavailable(NO_DEVICE, f"the handle maps memory of device {owner}, registered for "
                                      f"{memory.device} (device {self._ordinal})")
@@ -136,7 +147,7 @@ class CudaBackend(DeviceBackend):
         failure = None
         try:
             runtime.streamWaitEvent(stream, waited, 0)
-            if len(table) < BATCH_MIN or not cuda_ipc.memcpy_batch_async(dsts, srcs, sizes, stream):
+            if not self._batched(dsts, srcs, sizes, stream):
                 for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist(), strict=True):
                     runtime.memcpyAsync(dst, src, size, kind, stream)
         except _ERRORS as exc:
@@ -144,6 +155,21 @@ class CudaBackend(DeviceBackend):
         self._drain(stream, deadline, event, timeout_s)
         if failure is not None:
             raise failure
+
+    def _batched(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> bool:
+        """Enqueue every entry as one cuMemcpyBatchAsync; False when they go one by one: fewer than BATCH_MIN,
+        or a driver without the call or that rejected one (remembered). Entries a rejected batch did enqueue
+        are copied again in stream order, which writes the same bytes."""
+        if len(dsts) < BATCH_MIN or not self._batch:
+            return False
+        try:
+            if cuda_ipc.memcpy_batch_async(dsts, srcs, sizes, stream):
+                return True
+            log.warning("this driver has no cuMemcpyBatchAsync: one cudaMemcpyAsync per entry")
+        except cuda_ipc.CudaError as exc:
+            log.warning("cuMemcpyBatchAsync refused a copy (%s): one cudaMemcpyAsync per entry from now on", exc)
+        self._batch = False
+        return False
 
     @staticmethod
     def _drain(stream: int, deadline: float, event: int, timeout_s: float) -> None:

@@ -8,6 +8,7 @@ copier, planning, ordering, failures) without a GPU.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +19,10 @@ from kvtier.server.transfer.base import STORE, DeviceBackend, Entry, GpuUnavaila
 from kvtier.shm.fake_device import FakeDevice, parse_event_handle
 
 PIN_DELAY_ENV = "KVTIER_FAKE_PIN_DELAY_S"  # seconds per pinned piece, so that tests can see not_pinned
+# a copy behind this event index moves its first entry and then never ends: a DMA that hangs mid-copy
+HANG_EVENT_ENV = "KVTIER_FAKE_HANG_EVENT"
+STORE_DELAY_ENV = "KVTIER_FAKE_STORE_DELAY_S"  # seconds a store waits before it reads the device: a slow copier
+START_DELAY_ENV = "KVTIER_FAKE_START_DELAY_S"  # seconds the backend takes to start (cupy import, CUDA init)
 
 
 @dataclass
@@ -32,6 +37,8 @@ class FakeBackend(DeviceBackend):
         self._device = device
         self._directory = directory
         self._segment = np.empty(0, np.uint8)
+        time.sleep(float(os.environ.get(START_DELAY_ENV, "0")))
+        self._hang_event = int(os.environ.get(HANG_EVENT_ENV, "-1"))
         try:
             FakeDevice.attach(device, directory).close()
         except (OSError, ValueError) as exc:
@@ -82,8 +89,12 @@ class FakeBackend(DeviceBackend):
             raise GpuUnavailable(COPIER_FAILED, f"event {event} of {len(opened.slots)}") from exc
         if not device.wait(slot, device.recorded(slot), timeout_s):
             raise TimeoutError(f"event {event} did not fire within {timeout_s} s")
+        if direction == STORE and (delay := float(os.environ.get(STORE_DELAY_ENV, "0"))):
+            time.sleep(delay)
         memory, segment = device.data, self._segment
-        for device_at, segment_at, size in entries:
+        for i, (device_at, segment_at, size) in enumerate(entries):
+            if i == 1 and event == self._hang_event:
+                threading.Event().wait()
             if direction == STORE:
                 segment[segment_at : segment_at + size] = memory[device_at : device_at + size]
             else:

@@ -69,6 +69,10 @@ def main(url: str) -> None:
                                                           model_id="fake-gpu-model"), 0, None)
         side.client.connect()
         side.attach_gpu(worker.memory, worker.events)
+        registered = time.monotonic() + 20  # registration runs on the keeper thread
+        while not (side._gpu is not None and side._gpu.registered):
+            assert time.monotonic() < registered, "the GPU memory was not registered"
+            time.sleep(0.02)
         src = list(range(2, 2 + 2 * blocks, 2))  # scattered block ids
         worker.fill(src, seed=7)
 

@@ -5,12 +5,13 @@ processes that tests kill."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass
 
 import numpy as np
 from kvtier.connector.client import ClientConfig, KVTierClient
-from kvtier.connector.gpu_transfers import GpuTransfers
+from kvtier.connector.gpu_transfers import START_S, GpuTransfers
 from kvtier.server.keys import Namespace
 from kvtier.server.protocol import GpuMemory
 from kvtier.shm.fake_device import FakeDevice
@@ -47,6 +48,7 @@ class FakeGpuWorker:
         self.size = BASE + LAYERS * BLOCKS * PAGE_BYTES
         self.device = FakeDevice.create(self.name, self.size, EVENTS)
         self.events = FakeEvents(self.device)
+        self.keepers: list[GpuTransfers] = []
         if layout == "LBNHC":  # layer-outer: each layer's blocks one after another
             offsets, stride = tuple(BASE + layer * BLOCKS * PAGE_BYTES for layer in range(LAYERS)), PAGE_BYTES
         elif layout == "BLHNC":  # block-outer: each block one run of all layers' pages
@@ -76,12 +78,25 @@ class FakeGpuWorker:
             for layer in range(LAYERS):
                 self.page(layer, block)[:] = 0xEE
 
-    def transfers(self, url: str, timeout_s: float = 10.0) -> tuple[KVTierClient, GpuTransfers]:
+    def transfers(self, url: str, timeout_s: float = 10.0, start_s: float = START_S,
+                  keeper: bool = True) -> tuple[KVTierClient, GpuTransfers]:
+        """A client and its GpuTransfers, registered (with `keeper`: by its keeper thread, which then
+        heartbeats; without it the test registers)."""
         client = KVTierClient(ClientConfig(url=url, connect_timeout_s=5.0, request_timeout_s=timeout_s,
                                            retry_backoff_s=0.2))
         assert client.connect()
-        return client, GpuTransfers(client, self.memory, self.events)
+        transfers = GpuTransfers(client, self.memory, self.events, start_s=start_s)
+        self.keepers.append(transfers)
+        if keeper:
+            transfers.start()
+            deadline = time.monotonic() + 20
+            while not transfers.registered:
+                assert time.monotonic() < deadline, f"not registered: {transfers.unavailable}"
+                time.sleep(0.02)
+        return client, transfers
 
     def close(self) -> None:
+        for transfers in self.keepers:
+            transfers.close()
         self.device.close()
         self.device.unlink()

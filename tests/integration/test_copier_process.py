@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import uvloop
 from kvtier.server.protocol import COPIER_FAILED, IPC_REFUSED, NO_COPIER, NO_DEVICE, NOT_PINNED, GpuMemory
+from kvtier.server.transfer import copiers
 from kvtier.server.transfer.base import LOAD, STORE, Copy, GpuUnavailable
 from kvtier.server.transfer.copiers import Copiers, CopiersConfig
 from kvtier.shm.fake_device import FakeDevice
@@ -263,6 +264,74 @@ def test_a_stopped_copier_is_replaced_when_its_heartbeats_stop(rig):
     run(main)
 
 
+def test_a_gpu_whose_copier_cannot_start_keeps_that_verdict_a_while_and_copiers_are_capped(rig, other, monkeypatch):
+    monkeypatch.setattr(copiers, "VERDICT_S", 1.0)
+    missing = f"{rig.device.name}-none"
+    absent = fake_memory(rig.device, device=missing, handle=missing.encode())
+
+    async def main() -> None:
+        engine = rig.engine(max_copiers=1)
+        try:
+            with pytest.raises(GpuUnavailable) as first:
+                await engine.register(absent)
+            assert first.value.reason == NO_DEVICE
+            (failed,) = engine.status()["copiers"]
+            with pytest.raises(GpuUnavailable) as again:
+                await engine.register(absent)
+            assert (again.value.reason, again.value.detail) == (NO_DEVICE, first.value.detail)
+            assert engine.status()["copiers"] == [failed]  # that process's verdict: no new one
+            await asyncio.sleep(1.1)
+            assert engine.status()["copiers"] == []  # forgotten
+            with pytest.raises(GpuUnavailable):
+                await engine.register(absent)
+            (retried,) = engine.status()["copiers"]
+            assert retried["pid"] != failed["pid"]  # tried again
+            await engine.register(rig.memory)  # a failed copier does not count against the cap
+            with pytest.raises(GpuUnavailable) as capped:
+                await engine.register(fake_memory(rig.device, device=other.name, handle=other.name.encode()))
+            assert capped.value.reason == NO_COPIER and "--gpu-max-copiers 1" in capped.value.detail
+            assert {c["device"] for c in engine.status()["copiers"]} == {missing, rig.device.name}
+        finally:
+            await engine.close()
+
+    run(main)
+
+
+@pytest.mark.parametrize("cause", ["hangs mid-copy", "stops", "never sees its event"])
+def test_a_failed_copiers_copies_fail_only_once_its_process_has_exited(rig, monkeypatch, cause):
+    """Nothing a copy held (L1 pages, a lease, the engine's blocks) may be handed on while the process that
+    was copying can still write: the copy fails only after the process is gone, whichever way it failed."""
+    chunk = Copy(key(9), (6, 8), 0, 2, (30, 1), size(2))  # two blocks apart: an entry per block and layer
+    if cause == "hangs mid-copy":
+        monkeypatch.setenv("KVTIER_FAKE_HANG_EVENT", "2")  # moves its first entry, then never ends: the daemon's op timeout
+    overrides = {"hangs mid-copy": {"op_timeout_s": 1.0}, "stops": {"watchdog_s": 1.0, "op_timeout_s": 20.0},
+                 "never sees its event": {"op_timeout_s": 1.0}}[cause]
+
+    async def main() -> None:
+        engine = rig.engine(**overrides)
+        try:
+            reg = await engine.register(rig.memory)
+            pid = copier_pid(engine)
+            if cause == "hangs mid-copy":
+                rig.fired(2)
+            else:
+                rig.device.record(2)  # never completed: the copy waits
+            copy = asyncio.ensure_future(engine.copy(reg, STORE, [chunk], 2))
+            await asyncio.sleep(0.2)
+            if cause == "stops":
+                os.kill(pid, signal.SIGSTOP)  # its heartbeats stop: the watchdog
+            with pytest.raises(GpuUnavailable) as failed:
+                await copy
+            assert failed.value.reason == COPIER_FAILED
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)  # exited and reaped before the copy failed
+            assert engine.status()["copiers"][0]["pid"] == pid  # and before a new one was spawned
+        finally:
+            await engine.close()
+
+    run(main)
+
+
 @pytest.fixture
 def other(rig):
     dev = FakeDevice.create(f"{rig.device.name}-b", 4096, 2)
@@ -356,6 +425,7 @@ def test_unregister_and_close_release_the_engines_memory(rig):
 DAEMON = """
 import asyncio, sys, uvloop
 from kvtier.server.protocol import GpuMemory
+from kvtier.server.transfer import copiers
 from kvtier.server.transfer.copiers import Copiers, CopiersConfig
 import msgpack
 

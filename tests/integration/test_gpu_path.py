@@ -11,13 +11,16 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 from _gpu_rig import BLOCKS, LAYERS, PAGE_BYTES, FakeGpuWorker, namespace
-from _support import prompt, wait_for
+from _support import free_port, prompt, wait_for
 from kvtier.connector.client import ClientConfig, KVTierClient, KVTierError
 from kvtier.server import protocol as p
 from kvtier.server.keys import chunk_keys
@@ -180,6 +183,22 @@ def test_a_killed_copier_fails_its_copies_and_a_new_one_serves_the_registration(
     assert holds_pattern(w, list(range(30, 38)), 3, range(8))
 
 
+def test_a_store_whose_copier_hangs_is_answered_only_once_the_copier_is_gone(kvtier_server, worker) -> None:
+    srv = kvtier_server(extra=SERVER_FLAGS, env={"KVTIER_FAKE_HANG_EVENT": "0"})  # fake.py HANG_EVENT_ENV
+    w = worker()
+    _, transfers = w.transfers(srv.url)
+    ns, tokens = namespace("LBNHC"), prompt(10, 128).tolist()
+    src = list(range(0, 16, 2))  # blocks apart: an entry per block and layer
+    w.fill(src, seed=6)
+    assert transfers.store("s", ns, tokens, src)  # on event 0: its first entry moves, then the copy hangs
+    (copier,) = wait_for(lambda: copier_pids(srv.proc.pid), 10, what="a copier")
+    (done,) = transfers.poll(wait=True)  # past --gpu-op-timeout-s
+    assert not done.ok and done.reason == p.COPIER_FAILED
+    assert not os.path.exists(f"/proc/{copier}"), "the failed store was answered while its copier could still write"
+    after = stats(srv.url)
+    assert after["reservations"] == 0 and after["entries"] == 0 and after["l1_used_bytes"] == 0  # pages freed
+
+
 def test_a_killed_daemon_takes_its_copier_along_and_the_worker_registers_again(kvtier_server, worker) -> None:
     srv = kvtier_server(extra=SERVER_FLAGS)
     w = worker()
@@ -261,3 +280,55 @@ def test_without_cupy_the_server_refuses_cuda_and_serves_cpu_clients(kvtier_serv
 
     assert client.retrieve(ns, tokens, read) == 128 and got == [data.tobytes()] * 2
     client.close()
+
+
+def cuda_memory(device: str) -> p.GpuMemory:
+    """A well-formed `cuda` registration of a GPU this host does not have."""
+    return p.GpuMemory("cuda", device, bytes(64), 1 << 20, (0,), 4096, 16, 4096, 1, 0, "LBNHC", (bytes(64),),
+                       os.getpid())
+
+
+def test_a_client_naming_40_made_up_gpus_gets_few_copiers_and_slows_no_other_client(kvtier_server) -> None:
+    cap, http = 3, free_port()
+    srv = kvtier_server(extra=[*SERVER_FLAGS, "--gpu-max-copiers", str(cap), "--http-port", str(http)])
+
+    def copiers() -> list[dict]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/status", timeout=5) as r:
+            return json.load(r)["gpu"]["copiers"]
+
+    hostile = KVTierClient(ClientConfig(url=srv.url, connect_timeout_s=5.0, request_timeout_s=60.0))
+    other = KVTierClient(ClientConfig(url=srv.url, connect_timeout_s=5.0))  # 5 s request timeout
+    assert hostile.connect() and other.connect()
+    reasons: list[str] = []
+
+    def register_all() -> None:
+        pending = [hostile.submit({"op": "gpu_register", "memory": cuda_memory(f"GPU-{uuid.uuid4()}").to_wire()})
+                   for _ in range(40)]
+        for reply in pending:
+            try:
+                reply.result()
+            except KVTierError as exc:
+                reasons.append(exc.reason)
+
+    storm = threading.Thread(target=register_all)
+    storm.start()
+    most, beats = 0, []
+    while storm.is_alive():
+        most = max(most, len(copier_pids(srv.proc.pid)))
+        started = time.monotonic()
+        assert other.heartbeat()
+        beats.append(time.monotonic() - started)
+        time.sleep(0.02)
+    storm.join()
+    assert len(reasons) == 40 and set(reasons) <= {p.NO_COPIER, p.NO_DEVICE}  # no cupy or GPU, or no copier left
+    assert most <= cap, f"{most} copier processes at once"
+    assert max(beats) < 1.0, f"another client's heartbeat took {max(beats):.2f} s"
+    listed = copiers()
+    assert len(listed) <= cap and all(c["state"] == "failed" for c in listed), listed
+    # a GPU whose copier could not start answers the same verdict for a while, without a new process
+    failed = listed[0]
+    with pytest.raises(KVTierError) as err:
+        other.request({"op": "gpu_register", "memory": cuda_memory(failed["device"]).to_wire()})
+    assert err.value.code == p.GPU_UNAVAILABLE and err.value.reason in reasons
+    assert [c for c in copiers() if c["device"] == failed["device"]] == [failed]  # the same pid: no new copier
+    assert not copier_pids(srv.proc.pid)

@@ -1,11 +1,15 @@
 """connector/vllm/gpu_memory.describe on CPU tensors built as vLLM 0.32 builds its KV views (one int8 buffer,
 `as_strided` per layout as v1/kv_cache_interface.py compute_layout_strides does, then `.view(dtype)` per
 layer): every page GpuMemory names is exactly its block's bytes, and the copy planner moves whole blocks.
+Kernel blocks smaller than vLLM's blocks are checked on views made by vLLM's own allocation code.
 
 Needs torch: the dev venv skips it; run it with the vLLM venv's python (scripts/vllm_env.sh).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,7 +51,7 @@ def allocation(padded_page: int = 0) -> torch.Tensor:
 
 
 def registered(buf: torch.Tensor, kv: dict[str, torch.Tensor], layout: str | None) -> GpuMemory:
-    fields = describe(kv, buf.data_ptr(), buf.nbytes, layout)
+    fields = describe(kv, buf.data_ptr(), buf.nbytes, layout, num_blocks=BLOCKS)
     memory = GpuMemory(engine="cuda", device="GPU-00000000-0000-0000-0000-000000000000", handle=bytes(64),
                        events=(bytes(64),), pid=1, **fields)
     memory.check()
@@ -122,9 +126,104 @@ def test_views_that_are_not_what_vllm_registers_are_refused() -> None:
     buf = allocation()
     kv = kv_caches(buf, "LBNHC")
     with pytest.raises(ValueError, match="not laid out as BLHNC"):
-        describe(kv, buf.data_ptr(), buf.nbytes, "BLHNC")
+        describe(kv, buf.data_ptr(), buf.nbytes, "BLHNC", num_blocks=BLOCKS)
     with pytest.raises(ValueError, match="inside the allocation"):
-        describe(kv, buf.data_ptr() + OFFSET + 1, buf.nbytes, "LBNHC")
+        describe(kv, buf.data_ptr() + OFFSET + 1, buf.nbytes, "LBNHC", num_blocks=BLOCKS)
     with pytest.raises(ValueError, match="all alike"):
         describe({**kv, "other": torch.zeros(BLOCKS, HEADS, TOKENS, 2 * HEAD_SIZE, dtype=torch.float32)},
-                 buf.data_ptr(), buf.nbytes, "LBNHC")
+                 buf.data_ptr(), buf.nbytes, "LBNHC", num_blocks=BLOCKS)
+
+
+# Kernel blocks: vLLM's own allocation code, as a worker runs it when the attention backend's kernel blocks are
+# smaller than --block-size (FlashInfer at 128, FlashMLA's 64): register_kv_caches then gets kernel-block views.
+
+def vllm_allocation(spec: Any, layout: str, kernel_block_size: int | None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """vLLM 0.32's KV cache config for 2 layers of `spec` in `layout` (get_kv_cache_config_from_groups) and the
+    views its worker allocates and hands register_kv_caches (allocate_kv_cache) on CPU."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    resolved = KVCacheLayout[layout]
+    cache = SimpleNamespace(get_resolved_kv_cache_layout=lambda: resolved, num_gpu_blocks_override=None,
+                            prefix_cache_retention_interval=None)
+    vllm_config = SimpleNamespace(cache_config=cache, attention_config=SimpleNamespace(hisparse_config=None))
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    config = get_kv_cache_config_from_groups(vllm_config, [KVCacheGroupSpec(layers, spec)],
+                                             2 * 3 * spec.page_size_bytes)
+    kv = allocate_kv_cache(config, torch.device("cpu"), resolved,
+                           None if kernel_block_size is None else [kernel_block_size])
+    return config, kv
+
+
+def full(heads: int) -> Any:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return FullAttentionSpec(block_size=128, num_kv_heads=heads, head_size=8, dtype=DTYPE)
+
+
+def mla() -> Any:
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=24, dtype=DTYPE)
+
+
+def element_offsets(kv: dict[str, torch.Tensor], base: int, split: int) -> list[int]:
+    """Byte offset of every (layer, block, head, token) of vLLM's views, in that order (token t of block b is
+    kernel block b * split + t // kernel tokens)."""
+    out = []
+    for view in kv.values():
+        kernel_tokens = view.shape[2]
+        for block in range(view.shape[0] // split):
+            for head in range(view.shape[1]):
+                out += [view[block * split + t // kernel_tokens, head, t % kernel_tokens].data_ptr() - base
+                        for t in range(kernel_tokens * split)]
+    return out
+
+
+@pytest.mark.parametrize("make_spec, layout, kernel", [(lambda: full(2), "LBNHC", 32), (mla, "LBNHC", 64),
+                                                        (mla, "LBHNC", 64)])
+def test_kernel_blocks_are_regrouped_into_vllm_blocks(make_spec: Any, layout: str, kernel: int) -> None:
+    """Block b's page is exactly vLLM's block b (its kernel blocks, grouped as vLLM's own offloading connector
+    groups them), laid out as the same block of an engine that does not split: the namespace can be shared."""
+    from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+    spec = make_spec()
+    config, kv = vllm_allocation(spec, layout, kernel)
+    first = next(iter(kv.values()))
+    split = spec.block_size // kernel
+    assert first.shape[0] == split * config.num_blocks  # the views are of kernel blocks
+    buf = torch.tensor([], dtype=torch.int8).set_(first.untyped_storage())
+    memory = GpuMemory(engine="cuda", device="GPU-00000000-0000-0000-0000-000000000000", handle=bytes(64),
+                       events=(bytes(64),), pid=1,
+                       **describe(kv, buf.data_ptr(), buf.nbytes, layout, num_blocks=config.num_blocks))
+    memory.check()
+    assert (memory.num_blocks, memory.page_bytes, memory.runs) == (config.num_blocks, spec.page_size_bytes, 1)
+    for layer, view in enumerate(kv.values()):
+        for block in range(config.num_blocks):
+            group_kernel_blocks(view, config.num_blocks)[block].view(torch.int8).fill_(-1)
+            touched = buf.numpy() != 0
+            buf.zero_()
+            covered = np.zeros(buf.nbytes, dtype=np.int64)
+            for at, size in memory.page_pieces(layer, block):
+                covered[at : at + size] += 1
+            assert np.array_equal(covered == 1, touched), (layer, block)
+    _, unsplit = vllm_allocation(spec, layout, None)
+    unsplit_base = next(iter(unsplit.values())).untyped_storage().data_ptr()
+    assert element_offsets(kv, buf.data_ptr(), split) == element_offsets(unsplit, unsplit_base, 1)
+
+
+def test_kernel_blocks_with_the_heads_outside_the_tokens_are_refused() -> None:
+    """FlashInfer's HND layout split into kernel blocks: a regrouped block orders its bytes otherwise than an
+    unsplit one (so no engine could share it), and registration refuses it rather than copy it."""
+    spec = full(2)
+    config, kv = vllm_allocation(spec, "LBHNC", 32)
+    _, unsplit = vllm_allocation(spec, "LBHNC", None)
+    storage = next(iter(kv.values())).untyped_storage()
+    assert element_offsets(kv, storage.data_ptr(), 4) != element_offsets(
+        unsplit, next(iter(unsplit.values())).untyped_storage().data_ptr(), 1)
+    with pytest.raises(ValueError, match="heads outside the tokens"):
+        describe(kv, storage.data_ptr(), storage.nbytes(), "LBHNC", num_blocks=config.num_blocks)
+    with pytest.raises(ValueError, match="not kernel blocks"):
+        describe(kv, storage.data_ptr(), storage.nbytes(), "LBHNC", num_blocks=5)  # 12 kernel blocks

@@ -6,6 +6,7 @@ tests/integration/test_gpu_path.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,7 +78,7 @@ def setup() -> tuple[RequestHandler, HandEngine]:
     store = L1Store(PagePool(64, PAGE), make_policy("lru"), metrics, min_block_bytes=256)
     cache = Cache(store, Holds(store, metrics), metrics)
     engine = HandEngine()
-    gpu = GpuOps(cache, engine, GpuMetrics(metrics), 64 * PAGE, allow_fake=True)
+    gpu = GpuOps(cache, engine, GpuMetrics(metrics), 64 * PAGE, copy_timeout_s=10.0, allow_fake=True)
     return RequestHandler(cache, {"shm_name": "x", "shm_size": 64 * PAGE, "page_size": PAGE}, 64, 5.0, gpu=gpu), engine
 
 
@@ -241,5 +242,31 @@ def test_the_fake_engine_needs_the_test_flag() -> None:
         await call(h, {"op": "hello", "id": 1, "version": p.PROTOCOL_VERSION})
         reply = await call(h, {"op": "gpu_register", "id": 3, "memory": memory()})
         assert reply["code"] == p.BAD_REQUEST and "gpu-fake-engine" in reply["error"]
+
+    run(scenario())
+
+
+def test_an_operation_past_its_start_by_copies_nothing_and_answers_late() -> None:
+    async def scenario() -> None:
+        h, engine = setup()
+        ns, reg = await registered(h)
+        past = time.monotonic() - 0.001  # e.g. a promotion took longer than the worker waits
+        reply = await asyncio.wait_for(call(h, {**store_message(ns, reg), "start_by": past}), 1.0)  # no copy
+        assert reply["results"] == [[FAILED, p.LATE]] * 2
+        assert not engine.pending and not h.holds.reservations and h.cache.store.entries == {}
+        # a deadline still ahead travels with every copy to the copier, which checks it again
+        later = time.monotonic() + 60
+        pending = asyncio.ensure_future(call(h, {**store_message(ns, reg), "start_by": later}))
+        await asyncio.sleep(0)
+        assert [c.start_by for c in engine.pending[0][1]] == [later, later]
+        engine.finish()
+        assert (await pending)["results"] == [["ok"], ["ok"]]
+        keys = [c.block_keys[-1] for c in chunk_keys(NS, list(range(128)))]
+        load = {"op": "gpu_load", "id": 10, "ns": ns, "reg": reg, "event": 0, "keys": keys, "first": [0, 0],
+                "block_ids": [[8, 9, 10, 11], [12, 13, 14, 15]]}
+        reply = await call(h, {**load, "start_by": past})
+        assert reply["loaded"] == [0, 0] and reply["reason"] == p.LATE and not engine.pending
+        assert not h.holds.leases  # released
+        assert (await call(h, {**load, "start_by": "soon"}))["code"] == p.BAD_REQUEST
 
     run(scenario())

@@ -119,6 +119,14 @@ REGISTERED_BAD = [
     {"op": "release", "leases": [None]},
     {"op": "release"},
     {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "lease": "yes"},
+    {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": "x"},
+    {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": [5]},
+    {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": [[KEY]]},
+    {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": [[b"short", [[KEY]]]]},
+    {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": [[KEY, [[b"short"]]]]},
+    {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": [[KEY, [[KEY, KEY]]]]},  # other blocks per chunk
+    {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": [[KEY, [[KEY], [KEY]]]]},  # other chunks
+    {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": [[KEY, [[KEY]]]] * (p.MAX_LOOKUP_RANKS + 1)},
     {"op": "report", "skipped": {"bogus": 1}},
     {"op": "report", "skipped": {"lora_unknown": -1}},
     {"op": "report", "skipped": {"lora_unknown": True}},
