@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import asdict
 from importlib import metadata
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from kvtier.admin_api.deps import CacheDep, DaemonDep
+from kvtier.shm.segment import list_segments
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 router = APIRouter()
@@ -52,12 +54,21 @@ async def status(request: Request, cache: CacheDep, daemon: DaemonDep) -> dict:
         "l1": {**cache.l1_status(), "shm_name": daemon.segment.name, "shm_dir": daemon.segment.directory},
         "l2": l2.stats() if l2 is not None else {"l2_enabled": False},
         "remote": remote.stats() if remote is not None else {"remote_enabled": False},
+        "shm_others": _others(daemon.segment.directory, daemon.segment.name),
         "namespaces": cache.namespace_stats(),
         "clients": cache.client_stats(),
         "gpu": daemon.gpu.status(),
         "ttl": {"lease_s": holds.lease_ttl_s, "reservation_s": holds.reservation_ttl_s,
                 "client_timeout_s": holds.client_timeout_s},
     }
+
+
+def _others(directory: str, own: str) -> dict:
+    """What the node holds in --shm-dir beyond this server's segment: other servers' segments, live or left
+    by a server that stopped (`kvtier segments --remove-unused` removes those)."""
+    others = [asdict(f) for f in list_segments(directory) if f.name != own]
+    return {"segments": others, "held_bytes": sum(f["held"] for f in others),
+            "unused_bytes": sum(f["held"] for f in others if not f["live"])}
 
 
 @router.get("/metrics", summary="Prometheus text format", response_class=Response)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import sys
+from dataclasses import asdict
 
 from kvtier.server import config as server_config
 
@@ -29,6 +31,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     server = sub.add_parser("server", help="run the KV-cache daemon", description="Run the KV-cache daemon.")
     server_config.add_arguments(server)
+    segments = sub.add_parser(
+        "segments", help="list the kvtier segments in a shared-memory directory; remove those no server holds",
+        description="List the kvtier L1 segments in --shm-dir (a stopped or killed server keeps its segment "
+                    "for the next start: docs/warm-restart.md) with their size, journal, the memory they hold "
+                    "and whether a live server holds them; --remove-unused removes those no live server holds.")
+    segments.add_argument("--shm-dir", default=server_config.ServerConfig.shm_dir,
+                          help="shared-memory directory (default %(default)s)")
+    segments.add_argument("--remove-unused", action="store_true",
+                          help="remove every segment (and its journal) that no live server holds")
+    segments.add_argument("--json", action="store_true", help="print JSON instead of a table")
     groups: dict[str, argparse._SubParsersAction] = {}
     for names, (module, help_text) in TOOLS.items():
         if len(names) == 1:  # a top-level command: `kvtier status`
@@ -53,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "server":
         return _run_server(args)
+    if args.command == "segments":
+        return _segments(args)
     return int(_load(args.tool_module).run(args) or 0)
 
 
@@ -63,7 +77,7 @@ def _run_server(args: argparse.Namespace) -> int:
         print(f"kvtier server: {exc}", file=sys.stderr)
         return 2
     from kvtier.server import daemon
-    from kvtier.shm.segment import SegmentInUse
+    from kvtier.shm.segment import NoSpace, SegmentInUse, SegmentMismatch
 
     services = []
     if config.http_port:
@@ -72,9 +86,31 @@ def _run_server(args: argparse.Namespace) -> int:
         services.append(AdminService)
     try:
         return daemon.run(config, services)
-    except SegmentInUse as exc:
+    except (SegmentInUse, SegmentMismatch, NoSpace) as exc:
         print(f"kvtier server: {exc}", file=sys.stderr)
         return 2
+
+
+def _segments(args: argparse.Namespace) -> int:
+    from kvtier.shm.segment import list_segments, remove_unused
+
+    try:
+        found = remove_unused(args.shm_dir) if args.remove_unused else list_segments(args.shm_dir)
+    except OSError as exc:
+        print(f"kvtier segments: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([asdict(f) for f in found]))
+        return 0
+    mib = 1 << 20
+    print(f"{'segment':40} {'size MiB':>9} {'journal MiB':>12} {'held MiB':>9}  owner")
+    for f in found:
+        owner = "removed" if args.remove_unused else "live server" if f.live else "none (unused)"
+        print(f"{f.name:40} {f.size / mib:9.1f} {f.journal / mib:12.1f} {f.held / mib:9.1f}  {owner}")
+    unused = [f for f in found if not f.live]
+    print(f"{len(unused)} {'removed' if args.remove_unused else 'unused'}, holding "
+          f"{sum(f.held for f in unused) / mib:.1f} MiB")
+    return 0
 
 
 if __name__ == "__main__":

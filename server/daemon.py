@@ -20,14 +20,16 @@ from kvtier.server.cache import Cache
 from kvtier.server.config import ServerConfig
 from kvtier.server.eviction import make_policy
 from kvtier.server.gpu_ops import GpuOps
-from kvtier.server.l1.adopt import L1Files, open_l1
+from kvtier.server.l1.adopt import JOURNAL_SUFFIX, L1Files, open_l1
 from kvtier.server.l1.holds import Holds
+from kvtier.server.l1.journal import half_bytes
 from kvtier.server.metrics import GpuMetrics, Metrics
 from kvtier.server.rpc import RequestHandler
 from kvtier.server.tiers import make_tiers
 from kvtier.server.transfer.copiers import Copiers, CopiersConfig
 from kvtier.shm.client_lock import LockDirectory
-from kvtier.shm.segment import tmpfs_options
+from kvtier.shm.journal import journal_bytes
+from kvtier.shm.segment import PairLock, check_space, tmpfs_options
 
 log = logging.getLogger("kvtier.server")
 
@@ -49,9 +51,15 @@ class Daemon:
         self._service_factories = list(services)
         self.metrics = Metrics()
         num_pages = config.l1_bytes // config.page_size
-        self.l1 = open_l1(L1Files(config.segment_name, config.shm_dir, int(config.shm_mode, 8)), num_pages,
-                          config.page_size, make_policy(config.eviction_policy), self.metrics, adopt=config.l1_adopt,
-                          discard=config.l1_discard, quarantine_s=config.reservation_ttl_s)
+        self.pair = PairLock(config.segment_name, config.shm_dir)  # first: nothing is touched without it
+        try:
+            check_space(config.shm_dir, l1_files(config))
+            self.l1 = open_l1(L1Files(config.segment_name, config.shm_dir, int(config.shm_mode, 8)), num_pages,
+                              config.page_size, make_policy(config.eviction_policy), self.metrics,
+                              adopt=config.l1_adopt, discard=config.l1_discard, quarantine_s=config.reservation_ttl_s)
+        except BaseException:
+            self.pair.release()
+            raise
         log.info("%s", self.l1.outcome)
         self.segment = self.l1.segment
         self.locks = LockDirectory(config.shm_dir, self.segment.name)
@@ -64,6 +72,7 @@ class Daemon:
             self.cache.open()  # lower tiers' index scans run before the server reports ready
         except BaseException:
             self.l1.abandon()
+            self.pair.release()
             raise
         self.gpu_metrics = GpuMetrics(self.metrics)
         self._copier_restarts: dict[str, int] = {}
@@ -82,6 +91,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._prefault_stop = threading.Event()
         self._signals = 0
+        self.exit_code = 0
 
     async def serve(self) -> None:
         ctx = zmq.Context()
@@ -107,7 +117,7 @@ class Daemon:
                 tmpfs_options(self.config.shm_dir).get("huge", "never"),
                 self.config.page_size_kb, self.config.eviction_policy, os.getpid(),
             )
-            prefault = self._start_prefault()
+            prefault = self._start_prefault(loop)
             receiver = asyncio.create_task(self._receive(sock))
             await self._stop.wait()
             log.info("kvtier server stopping")
@@ -127,6 +137,7 @@ class Daemon:
             ctx.term()
             outcome = self.l1.close()
             self.locks.sweep()
+            self.pair.release(remove=True)
             log.info("kvtier server stopped; %s", outcome)
 
     async def _receive(self, sock: zmq.Socket) -> None:
@@ -179,21 +190,26 @@ class Daemon:
             sock.send_multipart([ident, frame], zmq.NOBLOCK)
         self._drain(sock, loop, later)  # a send can consume the FD's edge: serve what arrived meanwhile
 
-    def _start_prefault(self) -> threading.Thread | None:
+    def _start_prefault(self, loop: asyncio.AbstractEventLoop) -> threading.Thread | None:
         if not self.config.l1_prefault:
             return None
         self.cache.store.prefault = "running"
-        thread = threading.Thread(target=self._prefault, name="kvtier-l1-prefault", daemon=True)
+        thread = threading.Thread(target=self._prefault, args=(loop,), name="kvtier-l1-prefault", daemon=True)
         thread.start()
         return thread
 
-    def _prefault(self) -> None:
+    def _prefault(self, loop: asyncio.AbstractEventLoop) -> None:
         started = time.monotonic()
         try:
             finished = self.segment.prefault(self._prefault_stop, self._set_backed)
-        except OSError as exc:  # e.g. /dev/shm smaller than L1: stores then fault pages in as they go
+        except OSError as exc:  # the tmpfs filled since the start's check: a store would be SIGBUS
             self.cache.store.prefault = "failed"
-            log.warning("L1 prefault stopped after %.2f GiB: %s", self.cache.store.backed_bytes / (1 << 30), exc)
+            log.error("L1 prefault failed after %.2f GiB of %.2f GiB (%s): the tmpfs %s cannot back L1; stopping "
+                      "(docs/operations.md, \"Sizing the shared-memory directory\")",
+                      self.cache.store.backed_bytes / (1 << 30), self.segment.size / (1 << 30), exc.strerror,
+                      self.config.shm_dir)
+            self.exit_code = 1
+            loop.call_soon_threadsafe(self._stop.set)
             return
         self.cache.store.prefault = "done" if finished else "stopped"
         if finished:
@@ -230,9 +246,21 @@ class Daemon:
         self._stop.set()
 
 
+def l1_files(config: ServerConfig) -> dict[str, int]:
+    """The files L1 needs in --shm-dir at full size (name -> bytes): the segment, and its journal unless
+    --no-l1-adopt (docs/operations.md, "Sizing the shared-memory directory")."""
+    num_pages = config.l1_bytes // config.page_size
+    files = {config.segment_name: num_pages * config.page_size}
+    if config.l1_adopt:
+        files[config.segment_name + JOURNAL_SUFFIX] = journal_bytes(half_bytes(num_pages, config.page_size,
+                                                                               p.MIN_BLOCK_BYTES))
+    return files
+
+
 def run(config: ServerConfig, services: Sequence[Callable[[Daemon], Service]] = ()) -> int:
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvloop.run(Daemon(config, services).serve())
-    return 0
+    daemon = Daemon(config, services)
+    uvloop.run(daemon.serve())
+    return daemon.exit_code

@@ -85,7 +85,8 @@ class Metrics:
                                 "server left (warm restart)", registry=r)
         self.l1_quarantined = Gauge(
             "kvtier_l1_quarantined_bytes", "L1 bytes of an adopted L1 that the previous server's writers may "
-            "still touch, kept from reuse until --reservation-ttl-s after the start", registry=r,
+            "still touch, kept from reuse until the client writing them settles or exits (--reservation-ttl-s after the "
+            "start for pages no client writes)", registry=r,
         )
         self.l1_journal_bytes = Gauge("kvtier_l1_journal_bytes", "Bytes of the L1 journal's log (snapshot and "
                                       "records since)", registry=r)
@@ -218,6 +219,11 @@ class RemoteMetrics(L2Metrics):
         self.rejected = Counter(
             "kvtier_remote_rejected_calls", "Remote calls not made because the node's circuit breaker was open "
             "(reads: misses, writes: dropped), by operation", ["op"], registry=r,
+        )
+        self.delete_failures = Counter(
+            "kvtier_remote_delete_failures", "Deletes of a corrupt or incomplete remote chunk that failed (no "
+            "permission, server error, unavailable): it stays in the store until its TTL, ignored by this node "
+            "meanwhile", registry=r,
         )
         self.breaker_open = Gauge("kvtier_remote_breaker_open", "1 while the circuit breaker of a remote node is "
                                   "open (its calls are misses and dropped writes), else 0", ["node"], registry=r)

@@ -16,6 +16,11 @@ killed inside a record leaves bytes past the committed length, which no reader l
 (compaction) writes the live records into the other half and then flips the word, again one store; killed
 before the flip, the active half is untouched. The old half's memory is then given back (MADV_REMOVE).
 
+The file is sparse, so a store into a page the tmpfs has no room for would be SIGBUS. No byte is stored
+before its pages are reserved (`posix_fallocate`, RESERVE_STEP at a time): a reservation refused (ENOSPC, the
+tmpfs filled by something else) invalidates the journal instead (see `invalidate`; `append` is then False
+and `rewrite` writes nothing), and the writer stops journaling: the next start is cold, never a crash.
+
 Inside the committed bytes every record must verify: one that does not is damage (memory corruption, a
 foreign writer, a bug), not a torn write, and `records` raises JournalDamaged. A caller must then trust no
 part of the journal, not even the records before the damage: a later record may undo an earlier one.
@@ -25,14 +30,18 @@ One writer (the file's owner, on one thread); nothing here locks.
 
 from __future__ import annotations
 
+import logging
 import mmap
+import os
 import struct
 import zlib
 from collections.abc import Iterator
 
 import numpy as np
 import xxhash
-from kvtier.shm.segment import Segment
+from kvtier.shm.segment import NoSpace, Segment
+
+log = logging.getLogger("kvtier.shm")
 
 MAGIC = b"KVTJ"
 FRAMING = 1  # this module's layout: header, state word, record framing
@@ -44,6 +53,7 @@ _HEAD = struct.Struct("<IB")  # record length, type
 _SUM = struct.Struct("<Q")
 RECORD_OVERHEAD = _HEAD.size + _SUM.size
 _ACTIVE = 1 << 63
+RESERVE_STEP = 1 << 20  # bytes of a half reserved at a time ahead of the writes
 
 
 class JournalMismatch(Exception):
@@ -94,6 +104,12 @@ def write_header(buf: mmap.mmap, version: int, half: int, geometry: tuple[int, i
     buf[0:4] = MAGIC
 
 
+def _back(segment: Segment, offset: int, length: int) -> None:
+    """Reserve memory for bytes of a file's mapping (an anonymous one, fd -1, cannot run out of it)."""
+    if segment.fd >= 0:
+        os.posix_fallocate(segment.fd, offset, length)
+
+
 class Journal:
     def __init__(self, segment: Segment, half: int) -> None:
         self.segment = segment
@@ -107,6 +123,9 @@ class Journal:
         self.length = state & (_ACTIVE - 1)
         if self.length > half:
             raise JournalDamaged(f"the state word claims {self.length} committed bytes in a half of {half}")
+        self.reserved = [0, 0]  # bytes from each half's start known backed (written, or reserved)
+        self.reserved[self.active] = self.length
+        self.lost = ""  # why the journal was invalidated for want of space ("" while it is not)
 
     @classmethod
     def create(cls, segment: Segment, version: int, geometry: tuple[int, int, int, int]) -> Journal:
@@ -114,6 +133,10 @@ class Journal:
         half = (segment.size - HEADER_BYTES) // 2
         if half <= 0 or segment.size != journal_bytes(half):
             raise ValueError(f"a journal segment is {HEADER_BYTES} bytes plus two halves")
+        try:
+            _back(segment, 0, HEADER_BYTES)
+        except OSError as exc:
+            raise NoSpace(f"no room for the journal {segment.name} in {segment.directory}: {exc.strerror}") from None
         segment.buf[STATE_OFFSET : STATE_OFFSET + 8] = bytes(8)
         write_header(segment.buf, version, half, geometry)
         return cls(segment, half)
@@ -155,7 +178,7 @@ class Journal:
     def append(self, record: bytes) -> bool:
         """Append one framed record; False (nothing written) when the active half has no room for it."""
         end = self.length + len(record)
-        if end > self.half:
+        if end > self.half or not self._reserve(self.active, end, RESERVE_STEP):
             return False
         start = self._base(self.active) + self.length
         self._buf[start : start + len(record)] = record
@@ -168,12 +191,35 @@ class Journal:
         if len(records) > self.half:
             raise ValueError(f"{len(records)} bytes of records do not fit a half of {self.half}")
         old, new = self.active, 1 - self.active
+        if not self._reserve(new, len(records), 0):
+            return
         start = self._base(new)
         self._buf[start : start + len(records)] = records
         self._word[0] = (new << 63) | len(records)
         self.active, self.length = new, len(records)
         self.segment.give_back([(self._base(old), self._base(old) + self.half)])  # the old half's memory
+        self.reserved[old] = 0
 
     def invalidate(self) -> None:
         """Make this file no journal at all (its magic zeroed): for a writer that cannot keep it current."""
         self._buf[0:4] = bytes(4)
+
+    def _reserve(self, half: int, end: int, ahead: int) -> bool:
+        """Back the first `end` bytes of `half` with memory (and up to `ahead` more, for the writes to come)
+        before they are stored to; False (the journal invalidated, once) when the tmpfs has no room."""
+        if self.lost:
+            return False
+        if end <= self.reserved[half]:
+            return True
+        stop = min(self.half, max(end, self.reserved[half] + ahead))
+        try:
+            _back(self.segment, self._base(half) + self.reserved[half], stop - self.reserved[half])
+        except OSError as exc:
+            self.lost = exc.strerror or str(exc)
+            self.invalidate()
+            log.error("L1 journal %s invalidated: no room to grow it in %s (%s); the next start is cold "
+                      "(docs/operations.md, \"Sizing the shared-memory directory\")", self.segment.name,
+                      self.segment.directory, self.lost)
+            return False
+        self.reserved[half] = stop
+        return True

@@ -33,7 +33,13 @@ class SegmentInUse(RuntimeError):
 
 
 class SegmentMismatch(RuntimeError):
-    """A segment left by a dead owner that cannot be adopted as it is (its size, file type or owner)."""
+    """A segment left by a dead owner that cannot be adopted as it is (its size, file type or owner), or a
+    directory in a segment's place that cannot be removed."""
+
+
+class NoSpace(RuntimeError):
+    """The tmpfs cannot hold what a server needs in it (docs/operations.md, "Sizing the shared-memory
+    directory")."""
 
 
 def _path(name: str, directory: str = SHM_DIR) -> str:
@@ -78,7 +84,7 @@ class Segment:
             raise ValueError("segment size must be positive")
         path = _path(name, directory)
         remove_stale(name, directory)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, mode)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, mode)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, mode)  # exactly --shm-mode: os.open's mode is filtered by the umask
@@ -95,9 +101,15 @@ class Segment:
         """Take over, bytes and all, a segment whose owner is gone: its lock is taken as `create` would.
 
         FileNotFoundError when there is none; SegmentInUse when a live owner holds it; SegmentMismatch (the
-        file left as it is) when it is not a regular file of this user of exactly `size` bytes.
+        file left as it is) when it is not a regular file of this user of exactly `size` bytes (a symbolic
+        link is never followed).
         """
-        fd = os.open(_path(name, directory), os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            fd = os.open(_path(name, directory), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.EISDIR):
+                raise SegmentMismatch(f"{name} is a {_kind(exc)}, not a segment") from None
+            raise
         try:
             _lock(fd, _path(name, directory))
             info = os.fstat(fd)
@@ -175,18 +187,32 @@ class Segment:
 
 
 def remove_stale(name: str, directory: str = SHM_DIR) -> bool:
-    """Remove a segment whose owner is gone; raise SegmentInUse if a live owner holds it."""
+    """Remove a segment whose owner is gone; raise SegmentInUse if a live owner holds it. A symbolic link in
+    its place is removed, never followed; an empty directory is removed, any other one is SegmentMismatch."""
     path = _path(name, directory)
     try:
-        fd = os.open(path, os.O_RDWR)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         return False
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.EISDIR):
+            raise
+        try:
+            (os.unlink if exc.errno == errno.ELOOP else os.rmdir)(path)
+        except OSError as why:
+            raise SegmentMismatch(f"{path} is a {_kind(exc)} in a segment's place and cannot be removed "
+                                  f"({why.strerror}): remove it, or choose another --shm-name") from None
+        return True
     try:
         _lock(fd, path)
         os.unlink(path)
         return True
     finally:
         os.close(fd)
+
+
+def _kind(exc: OSError) -> str:
+    return "symbolic link" if exc.errno == errno.ELOOP else "directory"
 
 
 def _lock(fd: int, path: str) -> None:
@@ -197,3 +223,142 @@ def _lock(fd: int, path: str) -> None:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
             raise SegmentInUse(f"shared-memory segment {path} is owned by a running server") from exc
         raise
+
+
+LOCK_SUFFIX = ".lock"
+
+
+class PairLock:
+    """`<segment>.lock`, held by a server from before it touches its segment or journal until after it is
+    done with them: two servers started on one name (a second unit, a stray --l1-discard) never interleave
+    (the second gets SegmentInUse having changed nothing). The file is removed only by a holder, and a taker
+    checks after locking that the name still points at the file it locked, so a removal never lets two in."""
+
+    def __init__(self, name: str, directory: str = SHM_DIR) -> None:
+        self.path = _path(name + LOCK_SUFFIX, directory)
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EISDIR):
+                    raise SegmentMismatch(f"{self.path} is a {_kind(exc)}, not a lock file: remove it") from None
+                raise
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise SegmentInUse(f"shared-memory segment {_path(name, directory)} is owned by a running server "
+                                   f"(or one starting: {self.path} is locked)") from None
+            try:
+                current = os.stat(self.path, follow_symlinks=False).st_ino
+            except FileNotFoundError:
+                current = -1
+            if current == os.fstat(fd).st_ino:
+                self.fd = fd
+                return
+            os.close(fd)  # removed (and perhaps re-created) by its last holder meanwhile: take the new one
+
+    def release(self, remove: bool = False) -> None:
+        """Drop the lock; with `remove`, the file first (its holder may)."""
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        os.close(self.fd)
+
+
+def check_space(directory: str, needs: dict[str, int]) -> None:
+    """NoSpace unless the tmpfs holding `directory` has room for files of `needs` (name -> bytes) at full
+    size: its free space plus what files of those names hold now (they are adopted or replaced)."""
+    info = os.statvfs(directory)
+    if not info.f_blocks:  # a tmpfs mounted with size=0 has no limit
+        return
+    held = 0
+    for name in needs:
+        with contextlib.suppress(FileNotFoundError):
+            found = os.lstat(_path(name, directory))
+            if stat.S_ISREG(found.st_mode):
+                held += found.st_blocks * 512
+    room = info.f_bavail * info.f_frsize + held
+    if sum(needs.values()) > room:
+        wanted = " + ".join(f"{name} {_mib(size)}" for name, size in needs.items())
+        raise NoSpace(f"{directory} has room for {_mib(room)}, not the {_mib(sum(needs.values()))} this server "
+                      f"needs ({wanted}): enlarge the tmpfs, or lower --l1-size-gb (docs/operations.md, "
+                      "\"Sizing the shared-memory directory\")")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
+
+
+@dataclass
+class SegmentFiles:
+    """A kvtier segment in a shared-memory directory, as `kvtier segments` lists it."""
+
+    name: str
+    size: int  # the segment's file size (0: only its journal or lock file is left)
+    journal: int  # its journal's file size (0: none)
+    held: int  # memory the segment and journal hold (their allocated blocks)
+    live: bool  # a live server holds it (its owner lock or its pair lock)
+
+
+JOURNAL_NAME_SUFFIX = ".journal"  # server/l1/adopt.py's JOURNAL_SUFFIX: a segment's journal beside it
+
+
+def list_segments(directory: str = SHM_DIR) -> list[SegmentFiles]:
+    """The kvtier segments in `directory`: files named kvtier* or with a journal or pair lock beside them
+    (and journals or lock files whose segment is gone), by name. Whether a server holds one is read from
+    /proc/locks: nothing is opened or locked, so listing never gets in a starting server's way."""
+    found: dict[str, os.stat_result] = {}
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False) and _NAME_RE.match(entry.name):
+                found[entry.name] = entry.stat(follow_symlinks=False)
+    bases = {name.removesuffix(JOURNAL_NAME_SUFFIX).removesuffix(LOCK_SUFFIX) for name in found
+             if name.endswith((JOURNAL_NAME_SUFFIX, LOCK_SUFFIX))}
+    bases |= {name for name in found if name.startswith("kvtier") and ".client-" not in name
+              and not name.endswith((JOURNAL_NAME_SUFFIX, LOCK_SUFFIX))}
+    locked = _locked_files()
+    out = []
+    for base in sorted(bases):
+        files = [found.get(base), found.get(base + JOURNAL_NAME_SUFFIX)]
+        lock = found.get(base + LOCK_SUFFIX)
+        live = any(info is not None and (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino) in locked
+                   for info in (*files, lock))
+        out.append(SegmentFiles(base, files[0].st_size if files[0] else 0, files[1].st_size if files[1] else 0,
+                                sum(info.st_blocks * 512 for info in files if info is not None), live))
+    return out
+
+
+def remove_unused(directory: str = SHM_DIR) -> list[SegmentFiles]:
+    """Remove the segments (journal first, then segment, then lock file) that no live server holds; returns
+    them. One a server takes meanwhile is left to it: each is removed under its pair lock and owner locks."""
+    removed = []
+    for found in list_segments(directory):
+        if found.live:
+            continue
+        try:
+            pair = PairLock(found.name, directory)
+        except SegmentInUse:
+            continue
+        try:
+            remove_stale(found.name + JOURNAL_NAME_SUFFIX, directory)
+            remove_stale(found.name, directory)
+        except SegmentInUse:  # an older server, which takes no pair lock
+            pair.release()
+            continue
+        pair.release(remove=True)
+        removed.append(found)
+    return removed
+
+
+def _locked_files() -> set[tuple[int, int, int]]:
+    """(device major, minor, inode) of every file some process holds a lock on."""
+    held = set()
+    with open("/proc/locks") as locks:
+        for line in locks:
+            fields = line.split()
+            if "->" in fields:  # a waiter, not a holder
+                continue
+            major, minor, inode = fields[5].split(":")
+            held.add((int(major, 16), int(minor, 16), int(inode)))
+    return held

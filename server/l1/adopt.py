@@ -4,9 +4,10 @@ A segment of the configured name whose owner lock is free, of the configured siz
 version whose geometry (segment size, page size, page count, the segment's inode) matches and whose records
 all verify, is adopted: its namespaces, entries (in commit order, or the policy's order at a clean stop) and
 free pages come back; pages allocated to no entry (reservations and promotions in flight when the old daemon
-died, removed entries still being read) stay quarantined until `quarantine_s` has passed. Anything else starts
-empty, and the old files are removed journal first: a journal never outlives the segment it describes
-(a fresh segment under an old journal would serve zeros as chunks). docs/warm-restart.md.
+died, removed entries still being read) stay quarantined: those a client of the old daemon was writing until
+that client settles them or its lock file shows it gone (holds.py), the others until `quarantine_s` has passed.
+Anything else starts empty, and the old files are removed journal first: a journal never outlives the segment
+it describes (a fresh segment under an old journal would serve zeros as chunks). docs/warm-restart.md.
 """
 
 from __future__ import annotations
@@ -126,8 +127,8 @@ def _adopt(files: L1Files, num_pages: int, page_size: int, half: int, policy: Ev
     except FileNotFoundError:
         raise _StartEmpty(f"no segment {path} to adopt") from None
     except SegmentMismatch as exc:
-        raise _StartEmpty(f"the segment left in {files.directory} cannot be adopted: {exc} "
-                          "(--l1-size-gb changed?)") from None
+        hint = " (--l1-size-gb changed?)" if "bytes, not" in str(exc) else ""
+        raise _StartEmpty(f"the segment left in {files.directory} cannot be adopted: {exc}{hint}") from None
     journal_segment: Segment | None = None
     try:
         journal_segment = Segment.adopt(files.name + JOURNAL_SUFFIX, journal_bytes(half), 0o600, files.directory)
@@ -155,9 +156,9 @@ def _adopt(files: L1Files, num_pages: int, page_size: int, half: int, policy: Ev
         store.insert(Entry(e.key, e.ns, e.size, e.blocks, e.extents, e.aliases))
     kept = [e for e in replayed.entries if store.entries.get(e.key) is not None]  # less superseded partials
     if unheld:
-        store.quarantine(unheld, quarantine_until)
+        store.keep_quarantined(replayed.groups, quarantine_until)
     writer = L1Journal(journal, metrics)
-    writer.carry(kept, replayed.namespaces, unheld)  # the log becomes a snapshot of what is adopted
+    writer.carry(kept, replayed.namespaces, replayed.groups)  # the log becomes a snapshot of what is adopted
     store.attach_journal(writer)
     store.update_gauges()
     metrics.l1_adopted.set(len(kept))
@@ -166,8 +167,9 @@ def _adopt(files: L1Files, num_pages: int, page_size: int, half: int, policy: Ev
         log.warning("L1 adoption dropped %d chunks: the journal contradicts their hold on their pages (or has no "
                     "namespace for them); their pages are quarantined", replayed.dropped)
     nbytes = sum(e.size for e in kept)
+    written = sum(extent_pages(group.extents) for group in replayed.groups if group.client)
     outcome = (f"L1 adopted from {path}: {len(kept)} chunks ({nbytes / (1 << 30):.2f} GiB) of "
-               f"{len(replayed.namespaces)} namespaces, {extent_pages(unheld)} pages quarantined for "
-               f"{quarantine_s:g} s; {replayed.records} journal records replayed in "
-               f"{time.perf_counter() - started:.2f} s")
+               f"{len(replayed.namespaces)} namespaces, {extent_pages(unheld)} pages quarantined ({written} until "
+               f"the old clients writing them settle or exit, the rest for {quarantine_s:g} s); "
+               f"{replayed.records} journal records replayed in {time.perf_counter() - started:.2f} s")
     return OpenedL1(segment, store, writer, len(kept), outcome)

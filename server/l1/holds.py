@@ -4,11 +4,15 @@ Ownership rule (docs/security.md): pages a client may still be touching are neve
 A reservation or lease that outlives its TTL, or whose client went silent or said hello again, *lapses*: it
 no longer counts (a commit stores nothing, a release reports the read as lost) but its pages stay out of
 the free list, "held back", until that client commits, aborts, releases or says bye, or its lock file
-(shm/client_lock.py) shows it is dead.
+(shm/client_lock.py) shows it is dead. An adopted L1's quarantine (a previous daemon's reservations, l1/adopt.py)
+follows the same rule across the restart: the pages a client was writing stay until it settles that
+reservation (a commit or abort naming it, refused) or its lock file shows it dead; pages no client writes stay
+`reservation_ttl_s`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -16,12 +20,14 @@ from dataclasses import dataclass, field
 
 from kvtier.server import protocol as p
 from kvtier.server.keys import Namespace
+from kvtier.server.l1.journal import Unheld
 from kvtier.server.l1.pool import Extents, extent_pages
 from kvtier.server.l1.store import Entry, L1Store
 from kvtier.server.metrics import Metrics
-from kvtier.shm.client_lock import LockDirectory
+from kvtier.shm.client_lock import LOCK_INFIX, LockDirectory
 
 MAX_CLIENT_NAMESPACES = 64
+CLIENT_ID_DIGITS = 32  # a lock file's name ends in its client's id, 32 hex digits (shm/client_lock.py)
 
 
 @dataclass(slots=True, eq=False)
@@ -148,8 +154,11 @@ class Holds:
 
     # -- store -----------------------------------------------------------------------------------
 
-    def reserve(self, owner: ClientState, fp: bytes, items: list[p.StoreItem]) -> list[list]:
-        """Per item: [status, reservation id, extents] or [REFUSED, reason] / [EXISTS] / [BUSY]."""
+    def reserve(self, owner: ClientState, fp: bytes, items: list[p.StoreItem], client_writes: bool = True
+                ) -> list[list]:
+        """Per item: [status, reservation id, extents] or [REFUSED, reason] / [EXISTS] / [BUSY]. The journal
+        names the owner's lock as the pages' writer unless a copier of this daemon writes them (`client_writes`
+        False: the copier dies with the daemon)."""
         self._may_hold_pages(owner)
         store = self.store
         ns, pool = store.namespace(fp), store.pool
@@ -173,7 +182,11 @@ class Holds:
                 results.append([p.BUSY])
                 continue
             res = None if broken else Reservation(next(self._ids), owner, fp, item, (), now + self.reservation_ttl_s)
-            got = p.PREFIX_REFUSED if res is None else store.begin_insert(item.key, item.size, res)
+            if res is None:
+                got: Extents | str = p.PREFIX_REFUSED
+            else:
+                with self._writing(owner.lock if client_writes else "", res.rid):
+                    got = store.begin_insert(item.key, item.size, res)
             if res is None or isinstance(got, str):
                 broken = True
                 self.metrics.refused.labels(got).inc()
@@ -194,6 +207,7 @@ class Holds:
         for rid in reversed(list(rids)):  # a prefix's first chunk enters the policy last (most recent)
             res = self._own_reservation(owner, rid)
             if res is None:
+                self._settle_quarantined(rid)
                 continue
             self._finish_reservation(res)
             if res.lapsed:
@@ -217,12 +231,26 @@ class Holds:
         done = 0
         for rid in rids:
             res = self._own_reservation(owner, rid)
-            if res is not None:
-                self._finish_reservation(res)
-                self.store.pool.release(res.extents)
-                done += 1
+            if res is None:
+                self._settle_quarantined(rid)
+                continue
+            self._finish_reservation(res)
+            self.store.pool.release(res.extents)
+            done += 1
         self.store.update_gauges()
         return done
+
+    def _writing(self, lock: str, rid: int) -> contextlib.AbstractContextManager[None]:
+        """Tell the journal who writes the pages allocated inside: the client holding `lock` ("": none)."""
+        journal = self.store.journal
+        if journal is None:
+            return contextlib.nullcontext()
+        return journal.writing(lock[-CLIENT_ID_DIGITS:] if lock else "", rid)
+
+    def _settle_quarantined(self, rid: int) -> None:
+        """A commit or abort naming a reservation of the daemon before the restart: its writer is done."""
+        if rid and self.store.quarantine:
+            self.store.end_quarantine(lambda group: group.rid == rid)
 
     def _own_reservation(self, owner: ClientState, rid: int) -> Reservation | None:
         res = self.reservations.get(rid)
@@ -305,10 +333,10 @@ class Holds:
 
     def sweep(self) -> None:
         """Lapse expired leases and reservations and the holdings of clients gone silent; free what dead
-        clients held back and an adopted L1's quarantine once its time is up; forget namespaces nobody uses."""
+        clients held back and what of an adopted L1's quarantine is over; forget namespaces nobody uses."""
         self.store.flush_touches()
         now = self.clock()
-        self.store.end_quarantine(now)
+        self.store.end_quarantine(lambda group: self._quarantine_over(group, now))
         for client in list(self.clients.values()):
             if self._dead(client):
                 self.drop_client(client.ident)
@@ -329,6 +357,17 @@ class Holds:
         self.update_gauges()
         self.store.update_gauges()
         self.metrics.held_back_bytes.set(sum(self.held_back().values()) * self.store.pool.page_size)
+
+    def _quarantine_over(self, group: Unheld, now: float) -> bool:
+        """Pages a client of the previous daemon wrote: over once its lock file shows it dead (or was never
+        one); pages no client writes (or no liveness check): once the quarantine's time is up."""
+        if group.client and self.locks is not None:
+            lock = f"{self.locks.segment_name}{LOCK_INFIX}{group.client}"
+            if self.locks.alive(lock):
+                return False
+            self.locks.remove(lock)
+            return True
+        return now >= self.store.quarantine_until
 
     def _dead(self, client: ClientState) -> bool:
         """Known to be gone: its lock file is no longer locked (a client without one is never known dead)."""

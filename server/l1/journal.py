@@ -6,8 +6,12 @@ Records (msgpack payloads):
     NAMESPACE  fingerprint, Namespace fields          before the first COMMIT of that namespace
     COMMIT     key, ns, size, blocks, aliases, extents  before the entry is indexed (a commit or a promotion)
     REMOVE     key                                      before any page of the removed entry can be reused
-    ALLOC      extents                                  before the pages leave the pool (to a reservation, a
-                                                        promotion): nobody can write a page unlogged
+    ALLOC      extents, client, rid                     before the pages leave the pool (to a reservation, a
+                                                        promotion): nobody can write a page unlogged; `client`
+                                                        names the lock file (shm/client_lock.py) of the client
+                                                        that writes them (its 32 hex digits) and `rid` its
+                                                        reservation ("", 0: no client writes them: a promotion,
+                                                        a GPU copy)
     FREE       extents                                  before the pages rejoin the pool
 
 Every record is appended before its effect, so a daemon killed between the two leaves a journal that is
@@ -17,8 +21,9 @@ never the reverse. Pages are logged at the pool (PagePool.log), so every path th
 
 Replaying gives the entries still committed (in commit order: the policy hint), their namespaces, and the
 pages allocated to no entry (reservations and promotions in flight, removed entries still being read when the
-daemon died): those are quarantined. A record that contradicts a live entry's hold on its pages (a page
-allocated, freed or committed again while the entry lives) drops that entry: never wrong bytes.
+daemon died): those are quarantined, in groups by the client that may still write them. A record that
+contradicts a live entry's hold on its pages (a page allocated, freed or committed again while the entry lives)
+drops that entry: never wrong bytes.
 
 Compaction: when the active half holds twice the last snapshot plus `SLACK` (or is full), a snapshot of the
 live state (the namespaces in use, the live COMMIT records, cached as written, and an ALLOC per group of
@@ -29,6 +34,9 @@ allocated pages no entry holds) replaces the log. A half holds the largest snaps
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.server")
 
-VERSION = 1  # the records' format; a journal of another version is never adopted
+VERSION = 2  # the records' format; a journal of another version is never adopted (1: ALLOC without its writer)
 NAMESPACE, COMMIT, REMOVE, ALLOC, FREE = 1, 2, 3, 4, 5
 SLACK = 1 << 20
 MAX_NAMESPACES = 4096  # store.MAX_NAMESPACES (not imported: store imports this module)
@@ -52,6 +60,8 @@ MAX_NAMESPACES = 4096  # store.MAX_NAMESPACES (not imported: store imports this 
 # namespace (five strings of MAX_NS_STR characters of up to 4 UTF-8 bytes, seven integers, twelve names).
 _ENTRY_MAX = RECORD_OVERHEAD + 96
 _EXTENT_MAX = 10
+_WRITER_MAX = 2 + 34 + 9  # an ALLOC's writer: its client's lock id (32 hex digits) and its reservation id
+_CLIENT_RE = re.compile(r"^([0-9a-f]{32})?$")
 _ALIAS_MAX = KEY_BYTES + 2
 _NAMESPACE_MAX = RECORD_OVERHEAD + 64 + 5 * (4 * MAX_NS_STR + 3) + 7 * 9 + 12 * 16
 
@@ -66,7 +76,7 @@ def half_bytes(num_pages: int, page_size: int, min_block_bytes: int) -> int:
     file is sparse: memory is used by what is written, about twice the live records at most.
     """
     aliases = num_pages * page_size // min_block_bytes
-    snapshot = (num_pages * (_ENTRY_MAX + _EXTENT_MAX) + aliases * _ALIAS_MAX
+    snapshot = (num_pages * (_ENTRY_MAX + _EXTENT_MAX + _WRITER_MAX) + aliases * _ALIAS_MAX
                 + min(num_pages, MAX_NAMESPACES) * _NAMESPACE_MAX)
     return -(-(2 * snapshot + SLACK) // 4096) * 4096
 
@@ -83,16 +93,28 @@ class L1Journal:
         self.live: dict[bytes, bytes] = {}  # key -> its COMMIT record, in commit order
         self.ns_records: dict[bytes, bytes] = {}  # fingerprint -> its NAMESPACE record, once written
         self.ns_refs: dict[bytes, int] = {}  # fingerprint -> live entries
-        self.unheld: dict[int, Extents] = {}  # first page -> allocated extents no live entry holds
+        self.unheld: dict[int, Unheld] = {}  # first page -> allocated extents no live entry holds
+        self.writer = NO_WRITER  # who writes the pages allocated next (see `writing`)
         self.compactions = 0
         self.failed = False
         self._limit = min(journal.half, 2 * journal.length + slack)
 
     # -- hooks -----------------------------------------------------------------------------------
 
+    @contextmanager
+    def writing(self, client: str, rid: int) -> Iterator[None]:
+        """Pages allocated inside are written by the client whose lock id is `client`, for its reservation
+        `rid`."""
+        self.writer = Unheld((), client, rid)
+        try:
+            yield
+        finally:
+            self.writer = NO_WRITER
+
     def allocated(self, extents: Extents) -> None:
-        self._append(frame(ALLOC, _pack(extents)))
-        self.unheld[extents[0]] = extents
+        unheld = Unheld(extents, self.writer.client, self.writer.rid)
+        self._append(unheld.record())
+        self.unheld[extents[0]] = unheld
 
     def released(self, extents: Extents) -> None:
         self._append(frame(FREE, _pack(extents)))
@@ -116,17 +138,17 @@ class L1Journal:
             self.ns_refs[entry.ns] -= 1
             if not self.ns_refs[entry.ns]:
                 del self.ns_refs[entry.ns]
-        self.unheld[entry.extents[0]] = entry.extents  # until released (now, or by the last reader)
+        self.unheld[entry.extents[0]] = Unheld(entry.extents, "", 0)  # until released (now, or by its last reader)
 
-    def carry(self, entries: list[AdoptedEntry], namespaces: dict[bytes, Namespace], unheld: Extents) -> None:
+    def carry(self, entries: list[AdoptedEntry], namespaces: dict[bytes, Namespace], unheld: list[Unheld]) -> None:
         """Take over what an adoption kept of a replay (entries in commit order, their namespaces, the
         quarantined pages), then compact: the log becomes a snapshot of exactly that."""
         for entry in entries:
             self.live[entry.key] = entry.record
             self.ns_refs[entry.ns] = self.ns_refs.get(entry.ns, 0) + 1
         self.ns_records = {fp: frame(NAMESPACE, _pack((fp, namespaces[fp].to_dict()))) for fp in self.ns_refs}
-        if unheld:
-            self.unheld[unheld[0]] = unheld
+        for group in unheld:
+            self.unheld[group.extents[0]] = group
         self.compact()
 
     # -- log and snapshot ------------------------------------------------------------------------
@@ -138,6 +160,9 @@ class L1Journal:
         if self.failed:
             return
         if journal.length + len(record) > self._limit or not journal.append(record):
+            if journal.lost:  # invalidated for want of room (shm/journal.py logged why): no compaction helps
+                self._fail(f"the journal ran out of room ({journal.lost})")
+                return
             self.compact()
             if not self.failed and not journal.append(record):
                 self._fail(f"a record of {len(record)} bytes does not fit after a compaction")
@@ -145,7 +170,7 @@ class L1Journal:
     def snapshot(self) -> bytes:
         """The live state as records: namespaces in use, then entries in commit order, then unheld pages."""
         self.ns_records = {fp: r for fp, r in self.ns_records.items() if fp in self.ns_refs}
-        unheld = [frame(ALLOC, _pack(e)) for e in self.unheld.values()]
+        unheld = [u.record() for u in self.unheld.values()]
         return b"".join([*self.ns_records.values(), *self.live.values(), *unheld])
 
     def compact(self, order: list[bytes] | None = None) -> None:
@@ -174,6 +199,23 @@ class L1Journal:
 # -- replay --------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class Unheld:
+    """Allocated pages no entry holds, and who may still write them: the client whose lock file's id (the 32
+    hex digits that end its name, shm/client_lock.py) is `client`, for its reservation `rid` ("", 0: no client:
+    a promotion, a GPU copy, a removed entry still being read)."""
+
+    extents: Extents
+    client: str
+    rid: int
+
+    def record(self) -> bytes:
+        return frame(ALLOC, _pack((self.extents, self.client, self.rid)))
+
+
+NO_WRITER = Unheld((), "", 0)
+
+
 @dataclass
 class AdoptedEntry:
     key: bytes
@@ -187,11 +229,13 @@ class AdoptedEntry:
 
 @dataclass
 class Replayed:
-    """What a journal says L1 holds: entries in commit order, their namespaces, pages no entry holds."""
+    """What a journal says L1 holds: entries in commit order, their namespaces, pages no entry holds (all of
+    them, and in groups by who may still write them)."""
 
     namespaces: dict[bytes, Namespace] = field(default_factory=dict)
     entries: list[AdoptedEntry] = field(default_factory=list)
     unheld: Extents = ()
+    groups: list[Unheld] = field(default_factory=list)
     records: int = 0
     dropped: int = 0  # entries whose pages a later record contradicted, or of an unknown namespace
 
@@ -200,6 +244,8 @@ def replay(records: object, num_pages: int, page_size: int) -> Replayed:
     """Replay `records` ((type, payload, record) as shm.journal.parse yields them) of a segment of
     `num_pages` pages. JournalDamaged for a record that does not decode into what its type requires."""
     owner = np.zeros(num_pages, dtype=np.int64)  # per page: 0 free, -1 allocated to no entry, i > 0 entry i
+    writer = np.zeros(num_pages, dtype=np.int64)  # per page allocated to no entry: its writer in `writers`
+    writers: dict[tuple[str, int], int] = {("", 0): 0}
     live: dict[int, AdoptedEntry] = {}
     by_key: dict[bytes, int] = {}
     out = Replayed()
@@ -208,7 +254,8 @@ def replay(records: object, num_pages: int, page_size: int) -> Replayed:
         for i in set(np.asarray(ids).tolist()):
             entry = live.pop(i)
             del by_key[entry.key]
-            owner[from_extents(entry.extents)] = -1
+            pages = from_extents(entry.extents)
+            owner[pages], writer[pages] = -1, 0
             out.dropped += 1
 
     for rtype, payload, record in records:  # type: ignore[attr-defined]
@@ -216,10 +263,12 @@ def replay(records: object, num_pages: int, page_size: int) -> Replayed:
         try:
             value = msgpack.unpackb(payload, use_list=False)
             if rtype in (ALLOC, FREE):
-                pages = _pages(value, num_pages)
+                extents, client, rid = value if rtype == ALLOC else (value, "", 0)
+                pages = _pages(extents, num_pages)
                 held = owner[pages]
                 drop(held[held > 0])
                 owner[pages] = -1 if rtype == ALLOC else 0
+                writer[pages] = writers.setdefault(_writer(client, rid), len(writers))
             elif rtype == COMMIT:
                 entry = _entry(value, bytes(record), num_pages, page_size)
                 if entry.key in by_key:
@@ -228,17 +277,18 @@ def replay(records: object, num_pages: int, page_size: int) -> Replayed:
                 held = owner[pages]
                 if (held > 0).any():  # another entry's pages (free ones are a snapshot's: no ALLOC there)
                     drop(held[held > 0])
-                    owner[pages] = -1
+                    owner[pages], writer[pages] = -1, 0
                     out.dropped += 1
                     continue
                 i = out.records
                 live[i] = entry
                 by_key[entry.key] = i
-                owner[pages] = i
+                owner[pages], writer[pages] = i, 0
             elif rtype == REMOVE:
                 i = by_key.pop(_key(value), 0)
                 if i:
-                    owner[from_extents(live.pop(i).extents)] = -1  # until a FREE: still being read, perhaps
+                    pages = from_extents(live.pop(i).extents)
+                    owner[pages], writer[pages] = -1, 0  # until a FREE: still being read, perhaps
             elif rtype == NAMESPACE:
                 fp, fields = value
                 namespace = Namespace.from_dict(dict(fields))
@@ -253,8 +303,20 @@ def replay(records: object, num_pages: int, page_size: int) -> Replayed:
     out.entries = list(live.values())
     used = {entry.ns for entry in out.entries}
     out.namespaces = {fp: ns for fp, ns in out.namespaces.items() if fp in used}
-    out.unheld = to_extents(np.flatnonzero(owner == -1))
+    unheld = np.flatnonzero(owner == -1)
+    out.unheld = to_extents(unheld)
+    by_writer = writer[unheld]
+    for (client, rid), w in writers.items():
+        extents = to_extents(unheld[by_writer == w])
+        if extents:
+            out.groups.append(Unheld(extents, client, rid))
     return out
+
+
+def _writer(client: object, rid: object) -> tuple[str, int]:
+    if not (isinstance(client, str) and _CLIENT_RE.match(client) and type(rid) is int and rid >= 0):
+        raise ValueError("an ALLOC's writer is a client lock id (32 hex digits, or none) and a reservation id")
+    return client, rid
 
 
 def _key(value: object) -> bytes:

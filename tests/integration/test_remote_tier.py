@@ -1,6 +1,7 @@
 """The remote tier (server/tiers/redis.py) against real servers (tests/integration/redis_servers.py): a
-standalone Redis 7, a 3-master Redis Cluster and a standalone Valkey 8, and a Redis of the test's own where
-it is stopped with SIGSTOP.
+standalone Redis 7, a 3-master Redis Cluster, a standalone Valkey 8 and the standalone Redis as the ACL user
+docs/remote.md documents (the tests taking `url`), and a Redis of the test's own where it is stopped with
+SIGSTOP.
 
 Two RemoteTier objects with one prefix stand for two nodes sharing a store; each test uses a prefix of its
 own, so tests sharing a server never see each other's keys.
@@ -29,10 +30,12 @@ from kvtier.server.l1.pool import PagePool
 from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics, RemoteMetrics
 from kvtier.server.tiers import make_tiers
+from kvtier.server.tiers.attached import AttachedTier
 from kvtier.server.tiers.record import ChunkMeta
 from kvtier.server.tiers.redis import PART_BYTES, RemoteTier, _slot
 
-pytest_plugins = ("redis_servers",)  # redis_standalone, redis_cluster, valkey_standalone, redis_server
+# redis_standalone, redis_cluster, valkey_standalone, redis_acl (docs/remote.md's ACL user), redis_server
+pytest_plugins = ("redis_servers",)
 
 SIZE = 2 * PART_BYTES + 12_345  # three parts, the last short
 BLOCKS = 4
@@ -110,7 +113,7 @@ def tiers() -> Iterator:
         tier.close()
 
 
-@pytest.fixture(params=["redis_standalone", "redis_cluster", "valkey_standalone"])
+@pytest.fixture(params=["redis_standalone", "redis_cluster", "valkey_standalone", "redis_acl"])
 def url(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue(request.param)
 
@@ -193,19 +196,24 @@ def corrupt_case(url: str, tier: RemoteTier, meta: ChunkMeta, how: str) -> None:
         client.close()
 
 
+@pytest.mark.parametrize("user", ["default", "redis_acl"])
 @pytest.mark.parametrize("how,counter", [("flipped", "corrupt"), ("part_longer", "corrupt"),
                                          ("part_missing", "missing"), ("parts_missing", "missing")])
-def test_damaged_chunk_is_a_counted_miss_and_its_header_goes(redis_standalone, tiers, how, counter):
+def test_damaged_chunk_is_a_counted_miss_and_its_header_goes(request, redis_standalone, tiers, how, counter, user):
+    """Also as the ACL user docs/remote.md documents (`redis_acl`): its commands delete the chunk."""
+    url = redis_standalone if user == "default" else request.getfixturevalue(user)
     metrics = Metrics()
-    a, b = tiers(redis_standalone), tiers(redis_standalone, metrics=RemoteMetrics(metrics))
+    a, b = tiers(url), tiers(url, metrics=RemoteMetrics(metrics))
     meta = new_meta(os.urandom(16))
     assert a.put(meta, os.urandom(meta.size))
     corrupt_case(redis_standalone, a, meta, how)
     assert read(b, meta) is None
     assert getattr(b, counter) == 1
     assert metrics.registry.get_sample_value(f"kvtier_remote_{counter}_chunks_total") == 1
-    header = f"{a.prefix}:{meta.ns.hex()}:{{{meta.key.hex()}}}:h"
-    assert keys_matching(redis_standalone, header) == []  # cleaned up: never served again
+    chunk = f"{a.prefix}:{meta.ns.hex()}:{{{meta.key.hex()}}}"
+    assert keys_matching(redis_standalone, f"{chunk}:h") == []  # cleaned up: never served again
+    assert [k for k in keys_matching(redis_standalone, f"{chunk}:*") if not k.endswith(b":h")] == []  # parts too
+    assert metrics.registry.get_sample_value("kvtier_remote_delete_failures_total") == 0
     assert read(a, meta) is None and not b.contains(meta.key)
 
 
@@ -334,17 +342,23 @@ NS = Namespace(model="m", dtype="bf16", num_layers=2, kv_heads=2, head_size=8, b
 PAGE = 64 * 1024
 
 
+def daemon_cache(config: ServerConfig, metrics: Metrics) -> tuple[L1Store, Holds, np.ndarray, AttachedTier, Cache]:
+    """An L1 of 96 pages with the lower tier `config` names, as the daemon builds them (make_tiers), open."""
+    store = L1Store(PagePool(96, PAGE), make_policy("lru"), metrics)
+    holds = Holds(store, metrics)
+    segment = np.zeros(96 * PAGE, dtype=np.uint8)
+    [tier] = make_tiers(config, store, segment, metrics)
+    cache = Cache(store, holds, metrics, [tier])
+    cache.open()
+    return store, holds, segment, tier, cache
+
+
 def test_write_behind_and_promotion_through_the_cache(redis_standalone):
     """The tier as the daemon builds it (make_tiers): chunks L1 commits go out on the writer threads from
     their L1 pages; once L1 forgot them, a lookup promotes them back from the store, bit-exact."""
     metrics = Metrics()
-    store = L1Store(PagePool(96, PAGE), make_policy("lru"), metrics)
-    holds = Holds(store, metrics)
-    segment = np.zeros(96 * PAGE, dtype=np.uint8)
     config = ServerConfig(remote_url=redis_standalone, remote_prefix=f"t{uuid.uuid4().hex[:12]}")
-    [tier] = make_tiers(config, store, segment, metrics)
-    cache = Cache(store, holds, metrics, [tier])
-    cache.open()
+    store, holds, segment, tier, cache = daemon_cache(config, metrics)
     try:
         fp = holds.register(NS)
         chunks = chunk_keys(NS, list(range(3 * 256)))

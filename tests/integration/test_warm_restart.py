@@ -177,16 +177,20 @@ def metric(http_port: int, name: str) -> float:
     return float(line.split()[1])
 
 
-def check_served_and_accounting(url: str, http_port: int) -> int:
-    """With no client active: once the quarantine is over, what the server serves is bit-exact, no page
-    is in two chunks, and entries, used pages and the namespace's bytes are the recount of it."""
-    wait_for(lambda: metric(http_port, "kvtier_l1_quarantined_bytes") == 0, TTL_S + 5, what="quarantine over")
+def check_served_and_accounting(url: str, http_port: int, started: float) -> int:
+    """With no client active: once the quarantine's timer is over (`started`: the server's start, monotonic),
+    what the server serves is bit-exact, no page is in two chunks, and entries, used pages and the namespace's
+    bytes are the recount of it. Pages of reservations that live clients of an earlier server have not settled
+    (a commit lost to a kill) stay quarantined (issue 29): counted, and at most a few per kill."""
+    time.sleep(max(0.0, started + TTL_S + 1.0 - time.monotonic()))
+    quarantined = metric(http_port, "kvtier_l1_quarantined_bytes")
     checker = Checker(url)
     try:
         served = checker.served()
         status = json.loads(admin(http_port, "/status"))
     finally:
         checker.close()
+    assert quarantined <= KILLS * 3 * 3 * PAGE, quarantined  # three clients, one open store each, of 3 pages
     owners: dict[int, bytes] = {}
     for key, (_, extents) in served.items():
         for page in pages_of(extents):
@@ -194,7 +198,7 @@ def check_served_and_accounting(url: str, http_port: int) -> int:
             owners[page] = key
     l1 = status["l1"]
     assert l1["entries"] == len(served)
-    assert l1["used_bytes"] == len(owners) * PAGE + l1["reserved_bytes"]
+    assert l1["used_bytes"] == len(owners) * PAGE + l1["reserved_bytes"] + quarantined
     [ns] = [n for n in status["namespaces"] if n["fingerprint"] == NS.fingerprint().hex()] or [
         {"entries": 0, "bytes": 0}]
     assert (ns["entries"], ns["bytes"]) == (len(served), sum(size for size, _ in served.values()))
@@ -232,13 +236,14 @@ def test_l1_survives_a_storm_of_kills_bit_exact_and_exactly_accounted(kvtier_ser
             time.sleep(rng.uniform(0.2, 0.9))
             kill(srv)
             srv.start()
+            started = time.monotonic()
             adopted.append(adopted_chunks(srv.log_text()))
             if kill_no % 5 == 4 or kill_no == KILLS - 1:
                 (control / "pause").write_text(str(kill_no))
                 wait_for(lambda n=kill_no: all((control / f"ack-{s}").exists() and
                                                (control / f"ack-{s}").read_text() == str(n) for s in range(3)),
                          20, interval=0.05, what="the storm paused")
-                checked.append(check_served_and_accounting(srv.url, http_port))
+                checked.append(check_served_and_accounting(srv.url, http_port, started))
                 if kill_no < KILLS - 1:  # the last check stays the final state: the storm stops paused
                     (control / "pause").unlink()
         (control / "stop").touch()
@@ -249,6 +254,8 @@ def test_l1_survives_a_storm_of_kills_bit_exact_and_exactly_accounted(kvtier_ser
                 os.killpg(c.pid, signal.SIGKILL)
                 c.communicate()
     assert all(r["bad"] == 0 for r in results), results  # every confirmed read was bit-exact
+    # the clients exited (their lock files gone): nothing of theirs stays quarantined
+    wait_for(lambda: metric(http_port, "kvtier_l1_quarantined_bytes") == 0, 5, what="quarantine over")
     log = srv.log_path.read_text()
     assert "adoption dropped" not in log and "Traceback" not in log  # a journal that never contradicted itself
     assert min(adopted[1:]) > 0 and min(checked) > 200, (adopted, checked)  # the L1 came back every time
@@ -258,7 +265,7 @@ def test_l1_survives_a_storm_of_kills_bit_exact_and_exactly_accounted(kvtier_ser
     assert srv.proc.wait(timeout=15) == 0
     srv.start()
     assert adopted_chunks(srv.log_text()) == checked[-1]  # nothing changed since the last check
-    assert check_served_and_accounting(srv.url, http_port) == checked[-1]
+    assert check_served_and_accounting(srv.url, http_port, time.monotonic()) == checked[-1]
 
 
 # -- clean stops, discarding, upgrades ------------------------------------------------------------

@@ -5,6 +5,7 @@ anything that does not match starts empty, saying why. Real segment files in /de
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import mmap
 import os
 import uuid
@@ -17,6 +18,7 @@ from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.journal import VERSION, half_bytes
 from kvtier.server.l1.pool import extent_pages, from_extents
 from kvtier.server.metrics import Metrics
+from kvtier.shm.client_lock import LOCK_INFIX, ClientLock, LockDirectory
 from kvtier.shm.journal import HEADER_BYTES, journal_bytes, write_header
 from kvtier.shm.segment import SHM_DIR, Segment, SegmentInUse
 from l1_helpers import BPC, MIN_BLOCK_BYTES, NS, PAGE, FakeClock, block_key, hello, item
@@ -119,6 +121,81 @@ def test_a_killed_daemons_l1_is_adopted_bit_exact_with_its_writers_pages_quarant
     clock.now += 2.0
     holds.sweep()
     assert not l1.store.quarantined and l1.store.metrics.l1_quarantined._value.get() == 0
+    l1.close()
+
+
+def test_an_old_clients_pages_stay_quarantined_until_it_settles_them_or_dies(files):
+    """Issue 29: the pages a client of the killed daemon was writing are not freed on a timer while that client
+    lives (it may resume its copy at any time); they go when it names the reservation (commit or abort, both
+    refused) or its lock file shows it dead. Pages a copier of the dead daemon wrote go on the timer."""
+    locks = LockDirectory(SHM_DIR, files.name)
+    dying = f"{files.name}{LOCK_INFIX}{uuid.uuid4().hex}"  # a client that will be killed: its file stays
+    fd = os.open(os.path.join(SHM_DIR, dying), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    settling = ClientLock(SHM_DIR, files.name)  # a client that settles one reservation, then exits cleanly
+    try:
+        l1, _ = start(files)
+        holds = Holds(l1.store, l1.store.metrics, clock=FakeClock(), locks=locks)
+        fp = holds.register(NS)
+        reserved = {}
+        for name, lock in (("dying", dying), ("settling", settling.name)):
+            holds.hello(name.encode(), name, 1, lock)
+            client = holds.client(name.encode())
+            for n in range(2):
+                [res] = holds.reserve(client, fp, [item(10 * len(name) + n, BPC, PAGE)])
+                reserved[name, n] = res[1], set(from_extents(tuple(res[2])).tolist())
+        [res] = holds.reserve(holds.client(b"dying"), fp, [item(99, BPC, PAGE)], client_writes=False)
+        reserved["copier", 0] = res[1], set(from_extents(tuple(res[2])).tolist())
+        l1.abandon()
+
+        clock = FakeClock()
+        l1, _ = start(files, clock=clock, quarantine_s=30.0)
+        holds = Holds(l1.store, l1.store.metrics, clock=clock, locks=locks)
+        assert "5 pages quarantined (4 until the old clients writing them settle or exit, the rest for 30 s)" \
+            in l1.outcome
+
+        def quarantined() -> set[int]:
+            holds.sweep()
+            return set(from_extents(l1.store.quarantined).tolist())
+
+        every = set().union(*(pages for _, pages in reserved.values()))
+        assert quarantined() == every
+        stranger = holds.caller(b"settling")  # not registered with this daemon: a stand-in
+        assert holds.commit(stranger, [reserved["settling", 0][0]]) == 0  # refused, but its writer is done
+        assert quarantined() == every - reserved["settling", 0][1]
+        assert holds.abort(stranger, [reserved["settling", 1][0]]) == 0
+        assert quarantined() == reserved["dying", 0][1] | reserved["dying", 1][1] | reserved["copier", 0][1]
+        clock.now += 31.0  # the copier died with the daemon: its pages go on the timer; a live client's stay
+        assert quarantined() == reserved["dying", 0][1] | reserved["dying", 1][1]
+        clock.now += 3600.0
+        assert quarantined() == reserved["dying", 0][1] | reserved["dying", 1][1]
+        os.close(fd)  # killed: the lock is free, the file left behind
+        fd = -1
+        assert quarantined() == set() and not os.path.exists(os.path.join(SHM_DIR, dying))
+        assert l1.store.metrics.l1_quarantined._value.get() == 0 and l1.store.pool.used_pages == 0
+        l1.close()
+    finally:
+        settling.close()
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, dying))
+
+
+def test_an_old_clients_pages_whose_lock_file_is_gone_are_freed_at_once(files):
+    lock = ClientLock(SHM_DIR, files.name)
+    l1, _ = start(files)
+    holds = Holds(l1.store, l1.store.metrics, clock=FakeClock(), locks=LockDirectory(SHM_DIR, files.name))
+    holds.hello(b"gone", "gone", 1, lock.name)
+    [res] = holds.reserve(holds.client(b"gone"), holds.register(NS), [item(1, BPC, 2 * PAGE)])
+    assert res[0] == "ok"
+    l1.abandon()
+    lock.close()  # exited (its file removed) while no daemon ran
+    l1, _ = start(files)
+    holds = Holds(l1.store, l1.store.metrics, clock=FakeClock(), locks=LockDirectory(SHM_DIR, files.name))
+    assert extent_pages(l1.store.quarantined) == 2
+    holds.sweep()
+    assert not l1.store.quarantined and l1.store.pool.used_pages == 0
     l1.close()
 
 

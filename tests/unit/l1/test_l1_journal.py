@@ -17,7 +17,17 @@ import numpy as np
 import pytest
 from kvtier.server.eviction import make_policy
 from kvtier.server.l1.holds import Holds
-from kvtier.server.l1.journal import ALLOC, COMMIT, NAMESPACE, VERSION, L1Journal, half_bytes, replay
+from kvtier.server.l1.journal import (
+    ALLOC,
+    COMMIT,
+    FREE,
+    NAMESPACE,
+    REMOVE,
+    VERSION,
+    L1Journal,
+    half_bytes,
+    replay,
+)
 from kvtier.server.l1.pool import PagePool, extent_pages, from_extents
 from kvtier.server.l1.store import Entry, L1Store
 from kvtier.server.metrics import Metrics
@@ -194,6 +204,9 @@ class Workload:
         for entry in self.store.entries.values():
             used[from_extents(entry.extents)] = False
         assert sorted(from_extents(got.unheld).tolist()) == np.flatnonzero(used).tolist()
+        groups = {(g.client, g.rid): set(from_extents(g.extents).tolist()) for g in got.groups}
+        for res in self.holds.reservations.values():  # each reservation's pages name their writer
+            assert set(from_extents(res.extents).tolist()) <= groups[res.owner.lock[-32:], res.rid]
         assert set(got.namespaces) == {e.ns for e in self.store.entries.values()}
 
 
@@ -267,7 +280,8 @@ def test_worst_case_records_stay_within_the_bounds_the_halves_are_sized_by():
     aliases = tuple(bytes([i % 256, i // 256]) * 8 for i in range(4095))
     commit = frame(COMMIT, j._pack((b"k" * 16, b"n" * 16, (1 << 64) - 1, 4096, aliases, extents)))
     assert len(commit) <= j._ENTRY_MAX + pairs * j._EXTENT_MAX + len(aliases) * j._ALIAS_MAX
-    assert len(frame(ALLOC, j._pack(extents))) <= j._ENTRY_MAX + pairs * j._EXTENT_MAX
+    record = j.Unheld(extents, "f" * 32, (1 << 64) - 1).record()
+    assert len(record) <= j._ENTRY_MAX + pairs * j._EXTENT_MAX + j._WRITER_MAX
 
 
 # -- replay of hand-written journals -------------------------------------------------------------
@@ -275,6 +289,10 @@ def test_worst_case_records_stay_within_the_bounds_the_halves_are_sized_by():
 
 def records(*pairs: tuple[int, object]) -> bytes:
     return b"".join(frame(t, msgpack.packb(v, use_bin_type=True)) for t, v in pairs)
+
+
+def alloc(extents: tuple[int, ...], client: str = "", rid: int = 0) -> tuple[int, object]:
+    return ALLOC, (extents, client, rid)
 
 
 def commit(family: int, extents: tuple[int, ...], size: int = PAGE) -> tuple[int, object]:
@@ -285,8 +303,8 @@ NAMESPACE_RECORD = (NAMESPACE, (NS.fingerprint(), NS.to_dict()))
 
 
 def test_pages_claimed_twice_drop_every_claimant():
-    log = records(NAMESPACE_RECORD, (ALLOC, (0, 2)), commit(1, (0, 1)), commit(2, (0, 1)),
-                  (ALLOC, (5, 1)), commit(3, (5, 1)), (ALLOC, (2, 1)), commit(4, (2, 1)), (ALLOC, (2, 1)))
+    log = records(NAMESPACE_RECORD, alloc((0, 2)), commit(1, (0, 1)), commit(2, (0, 1)),
+                  alloc((5, 1)), commit(3, (5, 1)), alloc((2, 1)), commit(4, (2, 1)), alloc((2, 1)))
     got = replay(parse(log), PAGES, PAGE)
     # 1 and 2 share page 0; 4's page was allocated again while it lived; 3 is untouched
     assert [e.key for e in got.entries] == [block_key(3, 1)] and got.dropped == 3
@@ -294,19 +312,23 @@ def test_pages_claimed_twice_drop_every_claimant():
 
 
 def test_a_snapshots_commit_stands_for_the_allocation_of_its_pages():
-    got = replay(parse(records(NAMESPACE_RECORD, commit(1, (3, 1)), (ALLOC, (4, 1)))), PAGES, PAGE)
+    got = replay(parse(records(NAMESPACE_RECORD, commit(1, (3, 1)), alloc((4, 1)))), PAGES, PAGE)
     assert [e.extents for e in got.entries] == [(3, 1)] and got.dropped == 0 and got.unheld == (4, 1)
 
 
 def test_an_entry_without_its_namespace_is_not_adopted():
-    got = replay(parse(records((ALLOC, (0, 1)), commit(1, (0, 1)))), PAGES, PAGE)
+    got = replay(parse(records(alloc((0, 1)), commit(1, (0, 1)))), PAGES, PAGE)
     assert got.entries == [] and got.dropped == 1 and extent_pages(got.unheld) == 1
 
 
 @pytest.mark.parametrize("bad", [
-    (ALLOC, (PAGES - 1, 2)),  # past the segment
-    (ALLOC, (-1, 1)),
-    (ALLOC, ()),
+    alloc((PAGES - 1, 2)),  # past the segment
+    alloc((-1, 1)),
+    alloc(()),
+    (ALLOC, (0, 1)),  # version 1's ALLOC: no writer
+    alloc((3, 1), "x" * 32),  # a client lock id is 32 hex digits
+    alloc((3, 1), "a" * 33),
+    alloc((3, 1), "", -1),
     (COMMIT, (b"short", NS.fingerprint(), PAGE, 1, (), (0, 1))),
     (COMMIT, (block_key(1, 1), NS.fingerprint(), 2 * PAGE, 1, (), (0, 1))),  # more bytes than its pages
     (NAMESPACE, (b"\0" * 16, NS.to_dict())),  # a fingerprint its fields do not give
@@ -314,4 +336,14 @@ def test_an_entry_without_its_namespace_is_not_adopted():
 ])
 def test_a_record_that_verifies_but_does_not_decode_is_damage(bad):
     with pytest.raises(JournalDamaged):
-        replay(parse(records(NAMESPACE_RECORD, (ALLOC, (0, 1)), bad)), PAGES, PAGE)
+        replay(parse(records(NAMESPACE_RECORD, alloc((0, 1)), bad)), PAGES, PAGE)
+
+
+def test_unheld_pages_are_grouped_by_the_client_that_may_still_write_them():
+    a, b = "a" * 32, "b" * 32
+    log = records(NAMESPACE_RECORD, alloc((0, 2), a, 7), alloc((2, 1), b, 9), alloc((3, 2)), alloc((5, 1), a, 8),
+                  commit(1, (3, 1)), (FREE, (4, 1)), alloc((4, 1), b, 9), (REMOVE, block_key(1, 1)))
+    got = replay(parse(log), PAGES, PAGE)
+    assert sorted((g.client, g.rid, g.extents) for g in got.groups) == [
+        ("", 0, (3, 1)), (a, 7, (0, 2)), (a, 8, (5, 1)), (b, 9, (2, 1, 4, 1))]
+    assert sorted(from_extents(got.unheld).tolist()) == [0, 1, 2, 3, 4, 5]
