@@ -495,24 +495,27 @@ class KVTierClient:
     # -- lookup ----------------------------------------------------------------------------------
 
     def lookup(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, identity: RequestIdentity = PLAIN,
-               lease: bool = False, ranks: Sequence[Namespace] = ()) -> LookupResult:
+               lease: bool = False, ranks: Sequence[Namespace] = (), again: bool = False) -> LookupResult:
         """Longest stored prefix of `token_ids` at engine-block granularity. With `lease`, the hits found in L1
         are leased to this client (`LookupResult.lease`; `release` it) so that nothing evicts them before the
         engine loads them: a lookup's answer is a promise. `ranks`: the namespaces of the engine's other
         workers (tensor-parallel ranks), each of which stores its own KV of these tokens: the answer is then
-        the prefix every one of them holds, and the lease covers all of them."""
+        the prefix every one of them holds, and the lease covers all of them. `again`: the same request asked
+        about again (after a `pending` answer): not counted in the server's lookup metrics a second time."""
         chunks = chunk_keys(ns, token_ids, identity)
         return self.lookup_chunks(ns, chunks, lease, [(other, chunk_keys(other, token_ids, identity))
-                                                      for other in ranks])
+                                                      for other in ranks], again)
 
     def lookup_chunks(self, ns: Namespace, chunks: list[ChunkKeys], lease: bool = False,
-                      ranks: Sequence[tuple[Namespace, list[ChunkKeys]]] = ()) -> LookupResult:
+                      ranks: Sequence[tuple[Namespace, list[ChunkKeys]]] = (), again: bool = False) -> LookupResult:
         if not chunks:
             return LookupResult([], [], [], ns.block_size)
         # msgpack packs the key tuples as arrays: no per-chunk list copies
         message: dict[str, Any] = {"op": "lookup", "chunks": [c.block_keys for c in chunks]}
         if lease:
             message["lease"] = True
+        if again:
+            message["again"] = True
         if ranks:  # their namespaces are registered and named by fingerprint when sent (submit)
             message["ranks"] = [(other, [c.block_keys for c in other_chunks]) for other, other_chunks in ranks]
         reply = self._request(message, ns)

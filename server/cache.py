@@ -83,12 +83,14 @@ class Cache:
 
     # -- lookup ----------------------------------------------------------------------------------
 
-    def lookup(self, fp: bytes, chunks: list[list[bytes]]) -> Found:
+    def lookup(self, fp: bytes, chunks: list[list[bytes]], count: bool = True) -> Found:
+        """`count`: whether the lookup goes into the metrics (False for a request asked about again)."""
         found = self._find(fp, chunks)
-        self._count(found, chunks, self.store.namespace(fp).block_size)
+        if count:
+            self._count(found, chunks, self.store.namespace(fp).block_size)
         return found
 
-    def lookup_ranks(self, ranks: Sequence[tuple[bytes, list[list[bytes]]]]) -> list[Found]:
+    def lookup_ranks(self, ranks: Sequence[tuple[bytes, list[list[bytes]]]], count: bool = True) -> list[Found]:
         """The prefix that every one of `ranks` holds: (namespace, chunks) per worker of one engine (tensor
         parallel ranks store their own KV of the same tokens, under their own keys, and each rank's chunks are
         evicted on their own), every chunk list cut by the same token boundaries. Each rank's answer is cut to
@@ -106,7 +108,8 @@ class Cache:
         for found in founds:
             found.tiers, found.pending = list(tiers), pending
         fp, chunks = ranks[0]
-        self._count(founds[0], chunks, self.store.namespace(fp).block_size)
+        if count:
+            self._count(founds[0], chunks, self.store.namespace(fp).block_size)
         return founds
 
     def _find(self, fp: bytes, chunks: list[list[bytes]]) -> Found:

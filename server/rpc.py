@@ -146,7 +146,8 @@ class RequestHandler:
         ranks = [(fp, chunks), *self._other_ranks(m, chunks)]
         if self.gpu is not None and any(unpinned(self.gpu, ns) for ns, _ in ranks):
             return p.ok(p.request_id(m), hits=[], tiers=[])  # a copier cannot load them yet (pinning.py)
-        founds = self.cache.lookup_ranks(ranks) if len(ranks) > 1 else [self.cache.lookup(fp, chunks)]
+        count = not p.field(m, "again", bool, False)  # a request asked about again is counted once, at its first
+        founds = self.cache.lookup_ranks(ranks, count) if len(ranks) > 1 else [self.cache.lookup(fp, chunks, count)]
         found = founds[0]
         reply = p.ok(p.request_id(m), hits=[match for _, match in found.hits], tiers=found.tiers)
         if found.tiers and found.tiers[-1] != L1:  # lower-tier hits follow the L1 prefix

@@ -50,6 +50,7 @@ class _Tracked:
     identity: RequestIdentity = PLAIN
     skip: bool = False  # its identity could not be established: never looked up or stored
     asked: float = 0.0  # when vLLM first asked about it (monotonic)
+    asked_again: bool = False  # its first lookup answered "ask again": later ones are not counted again
     lease: int = 0  # the lookup's lease on the L1 hits it promised (released once the load has read them)
     verify_blocks: int = 0  # sampled for verification: these prompt blocks are recomputed, then compared
     looked_up: bool = False
@@ -118,7 +119,8 @@ class SchedulerSide(ConnectorSide):
             if limit > num_computed_tokens:
                 try:
                     found = self.client.lookup(self.namespace(tracked.salt), prompt[:limit], tracked.identity,
-                                               lease=True, ranks=self._other_ranks(tracked.salt))
+                                               lease=True, ranks=self._other_ranks(tracked.salt),
+                                               again=tracked.asked_again)
                 except Exception:  # a lookup the server refused is a miss: the scheduler must never fail
                     log.exception("kvtier lookup failed for request %s", request.request_id)
                 else:
@@ -129,6 +131,7 @@ class SchedulerSide(ConnectorSide):
                             and time.monotonic() - tracked.asked < self.options.pending_wait_ms / 1000:
                         if found.lease:
                             self._to_release.append(found.lease)
+                        tracked.asked_again = True
                         return None, False
                     tracked.lease = found.lease
                     hit = min(hit, in_l1 * self.block_size)

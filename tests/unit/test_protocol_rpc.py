@@ -119,6 +119,7 @@ REGISTERED_BAD = [
     {"op": "release", "leases": [None]},
     {"op": "release"},
     {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "lease": "yes"},
+    {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "again": 1},
     {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": "x"},
     {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": [5]},
     {"op": "lookup", "ns": "@NS", "chunks": [[KEY]], "ranks": [[KEY]]},

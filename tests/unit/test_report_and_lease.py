@@ -69,3 +69,20 @@ def test_a_leasing_lookup_that_finds_nothing_takes_no_lease():
     reply = call(h, {"op": "lookup", "id": 7, "ns": fp, "chunks": [list(c.block_keys) for c in chunks],
                      "lease": True})
     assert reply["hits"] == [] and "lease" not in reply and not h.holds.leases
+
+
+def test_a_lookup_asked_again_is_not_counted_twice():
+    h, fp = registered()
+    chunks = chunk_keys(NS, list(range(2 * NS.chunk_size)))
+    _store(h, fp, chunks)
+    wire = [list(c.block_keys) for c in chunks]
+    assert call(h, {"op": "lookup", "id": 7, "ns": fp, "chunks": wire})["hits"] == [4, 4]
+    requested = sample(h, "kvtier_requested_tokens_total")
+    hits = sample(h, "kvtier_hit_tokens_total", tier="l1")
+    lookups = sample(h, "kvtier_lookups_total")
+    assert (requested, hits, lookups) == (2 * NS.chunk_size, 2 * NS.chunk_size, 1)
+    again = call(h, {"op": "lookup", "id": 8, "ns": fp, "chunks": wire, "again": True, "lease": True})
+    assert again["hits"] == [4, 4] and again["lease"]  # answered and leased like any lookup
+    assert sample(h, "kvtier_requested_tokens_total") == requested
+    assert sample(h, "kvtier_hit_tokens_total", tier="l1") == hits
+    assert sample(h, "kvtier_lookups_total") == lookups
