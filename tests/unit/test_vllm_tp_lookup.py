@@ -55,7 +55,7 @@ class Recorder:
         self.lookups: list[tuple[Namespace, list[Namespace]]] = []
 
     def lookup(self, ns: Namespace, token_ids: list[int], identity: RequestIdentity, lease: bool = False,
-               ranks: Sequence[Namespace] = ()) -> LookupResult:
+               ranks: Sequence[Namespace] = (), again: bool = False) -> LookupResult:
         self.lookups.append((ns, list(ranks)))
         return LookupResult([], [], [], BS)
 
