@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a client: _su
 
 from _support import REPO, free_port, holds_its_bytes, payload_of, prompt, wait_for  # noqa: E402
 from kvtier.connector.client import ClientConfig, KVTierClient  # noqa: E402
+from kvtier.server.tiers.fs_io import file_name  # noqa: E402
 from test_warm_restart import (  # noqa: E402
     CHUNKS,
     L1_GB,
@@ -39,6 +41,7 @@ from test_warm_restart import (  # noqa: E402
     check_served_and_accounting,
     kill,
     metric,
+    served,
     size_of,
     tokens_of,
 )
@@ -122,7 +125,9 @@ def result_of(proc: subprocess.Popen) -> dict:
 
 def test_a_kill_loop_with_a_writer_stopped_mid_copy_serves_only_stored_bytes(kvtier_server, tmp_path):
     http_port = free_port()
-    srv = kvtier_server(l1_gb=L1_GB, extra=[*SERVER_ARGS, "--http-port", str(http_port)])
+    srv = kvtier_server(l1_gb=L1_GB, extra=[*SERVER_ARGS, "--http-port", str(http_port),
+                                            "--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "0.05",  # all chunks fit
+                                            "--l2-queue-depth", "8192"])  # no write-behind is dropped
     control = tmp_path / "control"
     control.mkdir()
     (control / "gen").write_text("0")
@@ -166,6 +171,14 @@ def test_a_kill_loop_with_a_writer_stopped_mid_copy_serves_only_stored_bytes(kvt
     assert "adoption dropped" not in log and "Traceback" not in log
     # every client gone: bit-exact, no page twice, exact accounting, and nothing quarantined
     assert check_served_and_accounting(srv.url, http_port, started) > 0
+    # what the killed servers had not written behind went to L2 after their restarts: L2 has every chunk L1 has
+    stats = KVTierClient(ClientConfig(url=srv.url, strict=True))
+    wait_for(lambda: stats.stats()["l2_inflight"] == 0, 30, what="L2 writes done")
+    stats.close()
+    in_l1 = served(srv.url)
+    assert in_l1 and all((tmp_path / "l2" / file_name(key)).exists() for key in in_l1)
+    requeued = [int(n) for n in re.findall(r"l2 write-behind after adoption: (\d+) of", log)]
+    assert len(requeued) == CYCLES, requeued  # (a few a kill: the disk keeps up with these small chunks)
     wait_for(lambda: metric(http_port, "kvtier_l1_quarantined_bytes") == 0, 5, what="quarantine over")
 
 
