@@ -29,7 +29,7 @@ Acquired = tuple[int, list[AcquiredChunk | None]]
 log = logging.getLogger("kvtier.server")
 
 REWRITE_POLL_S = 0.05  # how often the write-behind after an adoption looks for room in a full queue
-REWRITE_BATCH = 64  # chunks it queues between yields to the serving loop
+REWRITE_BATCH = 256  # adopted chunks it looks at between yields to the serving loop
 
 
 def continues(match: int, block_keys: Sequence[bytes], blocks_per_chunk: int) -> bool:
@@ -227,7 +227,9 @@ class Cache:
         writer, entries_now = tier.writer, self.store.entries
         started = time.monotonic()
         queued = there = gone = 0
-        for entry in entries:
+        for n, entry in enumerate(entries, 1):
+            if n % REWRITE_BATCH == 0:
+                await asyncio.sleep(0)  # let requests in
             if entries_now.get(entry.key) is entry and not tier.tier.contains(entry.key):
                 while writer.room <= writer.depth // 2:
                     await asyncio.sleep(REWRITE_POLL_S)
@@ -238,8 +240,6 @@ class Cache:
             else:
                 tier.write_behind(entry)
                 queued += 1
-                if queued % REWRITE_BATCH == 0:
-                    await asyncio.sleep(0)  # let requests in
         log.info("%s write-behind after adoption: %d of %d adopted chunks queued again (%d there already, %d gone "
                  "from L1 or cleared) in %.2f s", tier.name, queued, len(entries), there, gone,
                  time.monotonic() - started)
