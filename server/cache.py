@@ -3,12 +3,16 @@
 Where a lookup is decided: `Cache.lookup` asks L1 (l1/store.py) for the longest stored prefix, then each
 lower tier in order (`LowerTier.find_prefix`, non-blocking) for the chunks after it, starting their
 promotion into L1 (tiers/promotion.py); a hit reports its tier. `acquire` waits for promotions of the chunks
-it leases. Each chunk L1 commits is handed to every lower tier's write-behind. `status` is the one summary
+it leases. Each chunk L1 commits is handed to every lower tier's write-behind (after a warm restart, each
+adopted chunk a tier lacks too: `write_behind_again`). `status` is the one summary
 the `stats` op, `/status` and `kvtier status` show.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -21,6 +25,11 @@ from kvtier.server.metrics import L1, Metrics
 from kvtier.server.tiers.attached import AttachedTier
 
 Acquired = tuple[int, list[AcquiredChunk | None]]
+
+log = logging.getLogger("kvtier.server")
+
+REWRITE_POLL_S = 0.05  # how often the write-behind after an adoption looks for room in a full queue
+REWRITE_BATCH = 256  # adopted chunks it looks at between yields to the serving loop
 
 
 def continues(match: int, block_keys: Sequence[bytes], blocks_per_chunk: int) -> bool:
@@ -200,6 +209,40 @@ class Cache:
     def _committed(self, entry: Entry) -> None:
         for tier in self.tiers:
             tier.write_behind(entry)
+
+    def write_behind_again(self, entries: Sequence[Entry]) -> Awaitable[None]:
+        """Warm restart: hand adopted chunks (`entries`, oldest first) to each lower tier's write-behind again,
+        as a coroutine to run beside serving. The old daemon's queue died with it, so a chunk it committed and
+        had not written behind (or dropped from a full queue) would otherwise live only in L1. Newest first
+        (those are the ones the queue had not reached); a chunk the tier has (`contains`: L2's index after its
+        scan; the remote tier's presence cache, and its put asks the store before writing) or that left L1 is
+        skipped; a clear of the tier (or the chunk's namespace in it) since this call skips the rest. Never
+        fills more than half a writer's queue (waits for room), so new commits' write-behind is not dropped
+        for it. Called before serving starts: the epochs taken here precede any clear."""
+        epochs = [{ns: tier.writer.epochs(ns) for ns in {e.ns for e in entries}} for tier in self.tiers]
+        return asyncio.gather(*(self._rewrite(tier, entries[::-1], before)
+                                for tier, before in zip(self.tiers, epochs, strict=True)))
+
+    async def _rewrite(self, tier: AttachedTier, entries: Sequence[Entry], epochs: dict[bytes, tuple[int, int]]) -> None:
+        writer, entries_now = tier.writer, self.store.entries
+        started = time.monotonic()
+        queued = there = gone = 0
+        for n, entry in enumerate(entries, 1):
+            if n % REWRITE_BATCH == 0:
+                await asyncio.sleep(0)  # let requests in
+            if entries_now.get(entry.key) is entry and not tier.tier.contains(entry.key):
+                while writer.room <= writer.depth // 2:
+                    await asyncio.sleep(REWRITE_POLL_S)
+            if entries_now.get(entry.key) is not entry or writer.epochs(entry.ns) != epochs[entry.ns]:
+                gone += 1
+            elif tier.tier.contains(entry.key):
+                there += 1
+            else:
+                tier.write_behind(entry)
+                queued += 1
+        log.info("%s write-behind after adoption: %d of %d adopted chunks queued again (%d there already, %d gone "
+                 "from L1 or cleared) in %.2f s", tier.name, queued, len(entries), there, gone,
+                 time.monotonic() - started)
 
     def acquire(self, ident: bytes, fp: bytes, keys: list[bytes]) -> Acquired | Awaitable[Acquired]:
         """Lease `keys`; an awaitable of the lease while any of them is still being promoted from a lower

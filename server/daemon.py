@@ -74,6 +74,8 @@ class Daemon:
             self.l1.abandon()
             self.pair.release()
             raise
+        # adopted chunks a lower tier may lack (the old daemon's write-behind queue died with it), oldest first
+        self._adopted = list(store.entries.values()) if self.l1.adopted and self.cache.tiers else []
         self.gpu_metrics = GpuMetrics(self.metrics)
         self._copier_restarts: dict[str, int] = {}
         self.gpu = GpuOps(self.cache, Copiers(CopiersConfig(
@@ -101,6 +103,7 @@ class Daemon:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         loop = asyncio.get_running_loop()
         self.cache.attach_loop(loop)
+        rewrite = asyncio.ensure_future(self._write_behind_again()) if self._adopted else None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
@@ -125,6 +128,8 @@ class Daemon:
             with contextlib.suppress(asyncio.CancelledError):
                 await receiver
             sweeper.cancel()
+            if rewrite is not None:
+                rewrite.cancel()
             if prefault is not None:
                 self._prefault_stop.set()
                 prefault.join()
@@ -139,6 +144,20 @@ class Daemon:
             self.locks.sweep()
             self.pair.release(remove=True)
             log.info("kvtier server stopped; %s", outcome)
+
+    def _write_behind_again(self) -> Awaitable[None]:
+        """The adopted chunks' write-behind (Cache.write_behind_again), started before any request is served;
+        a failure is logged, not raised."""
+        pending = self.cache.write_behind_again(self._adopted)
+        self._adopted = []
+
+        async def logged() -> None:
+            try:
+                await pending  # a cancel of this task cancels it
+            except Exception:
+                log.exception("write-behind after adoption failed")
+
+        return logged()
 
     async def _receive(self, sock: zmq.Socket) -> None:
         """Serve requests from the socket's file descriptor until cancelled.

@@ -66,6 +66,11 @@ class L2Writer:
         return self._queue.qsize()
 
     @property
+    def room(self) -> int:
+        """Jobs `submit` would take now before dropping one."""
+        return self.depth - self._queue.qsize()
+
+    @property
     def alive(self) -> bool:
         """False when a worker thread died (not when stopped, or never started)."""
         return self._stopping or all(t.is_alive() for t in self._threads)
@@ -89,8 +94,12 @@ class L2Writer:
         else:
             self._ns_epochs[ns] = self._ns_epochs.get(ns, 0) + 1
 
+    def epochs(self, ns: bytes) -> tuple[int, int]:
+        """The clear epochs a job of namespace `ns` submitted now gets: (all, the namespace's)."""
+        return self.epoch, self._ns_epochs.get(ns, 0)
+
     def _epochs(self, job: WriteJob) -> tuple[int, int]:
-        return self.epoch, self._ns_epochs.get(job.meta.ns, 0)
+        return self.epochs(job.meta.ns)
 
     def submit(self, job: WriteJob) -> bool:
         job.epoch = self._epochs(job)

@@ -33,6 +33,13 @@ def payload_of(key: bytes, size: int) -> np.ndarray:
     return np.frombuffer(blake3.blake3(b"payload" + key).digest(length=size), dtype=np.uint8)
 
 
+def holds_its_bytes(rc) -> bool:
+    """Whether a read chunk's span holds payload_of its key (read out of the shared memory now)."""
+    buf = np.empty(rc.span.size, dtype=np.uint8)
+    rc.span.read(0, buf)
+    return np.array_equal(buf, payload_of(rc.chunk.key, rc.span.size))
+
+
 def read_checked(c, ns, hits) -> int:
     """Blocks copied out of the chunks a lookup found; raises if any byte differs from payload_of."""
     def read(rc) -> None:
