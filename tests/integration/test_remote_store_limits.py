@@ -132,12 +132,22 @@ def test_a_store_that_cannot_evict_is_warned_of_once_at_start(redis_server, tier
         assert len(messages) == 1 and warning in messages[0], messages
 
 
+def test_the_server_warns_of_a_store_without_maxmemory_once(redis_server, kvtier_server):  # noqa: F811
+    srv = redis_server()  # no maxmemory set
+    node = kvtier_server(extra=["--remote-url", srv.url, "--remote-connect-timeout-ms", "3000"])
+    log = node.log_path.read_text(errors="replace")
+    assert log.count("no maxmemory on") == 1, log[-3000:]
+    c = client(node.url)
+    stats = c.stats()
+    assert stats["remote_skipped_writes"] == 0 and stats["remote_writes_paused"] == []
+
+
 # -- TTL refreshed by reads ---------------------------------------------------------------------------------
 
 
 def test_a_chunk_read_now_and_then_outlives_its_ttl_an_unread_one_expires(redis_server, tiers, prefix,  # noqa: F811
                                                                          make_acl_user):
-    """As the documented ACL user (the ACL must grant the refresh), a TTL of 2 s, reads every 0.25 s for 5 s."""
+    """As the documented ACL user (the ACL must grant the refresh), a TTL of 2 s, reads every 0.1 s for 5 s."""
     srv = redis_server()
     url = make_acl_user(srv.url, "kvtier")
     ttl_s = 2.0
@@ -152,7 +162,7 @@ def test_a_chunk_read_now_and_then_outlives_its_ttl_an_unread_one_expires(redis_
     while time.monotonic() - start < 2.5 * ttl_s:
         assert read(tier, hot) == hot_data, f"the hot chunk vanished {time.monotonic() - start:.1f} s in"
         reads += 1
-        time.sleep(0.25)
+        time.sleep(0.1)
     elapsed = time.monotonic() - start
     assert keys_matching(srv.url, header_of(tier, hot))
     assert not keys_matching(srv.url, header_of(tier, cold))  # expired
