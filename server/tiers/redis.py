@@ -97,6 +97,8 @@ RESIZE_FACTOR = 2.0  # a thread's client is made anew when its part timeout is t
 FULL_PAUSE_S = (1.0, 60.0)  # writes to a node that answered OOM pause this long, doubled per OOM retry up to this
 REFRESH_FRACTION = 0.25  # a chunk read gets its TTL back at most once per this fraction of the TTL
 REFRESH_MAX = 100_000  # chunks whose next TTL refresh time is remembered; the oldest go first
+TOUCH_MAX = 100_000  # keys waiting for their TTL refresh (sent every TICK_S); more are not refreshed
+TOUCH_BATCH = 1000  # PEXPIREs per pipeline
 TICK_S = 0.25  # maintenance thread: how often open breakers are looked at
 INFO_REFRESH_S = 5.0  # ... and how often INFO (used_memory, maxmemory), the slot map and the RTT are refreshed
 SCAN_COUNT = 1000
@@ -302,6 +304,7 @@ class RemoteTier(LowerTier):
         self._limits: dict[str, tuple[int, str]] = {}  # master -> (maxmemory, maxmemory_policy), from INFO
         self._full: dict[str, tuple[float, float]] = {}  # master that answered OOM -> (writes pause until, pause)
         self._refreshed: OrderedDict[bytes, float] = OrderedDict()  # chunk key -> its next TTL refresh, not before
+        self._touches: dict[str, list[tuple[str, int]]] = {}  # node -> (key, TTL ms) to PEXPIRE at the next tick
         self._no_expire = False  # the store refused PEXPIRE (an ACL without it): TTLs are not refreshed
         self.written = self.written_bytes = 0
         self.existing = self.corrupt = self.missing = self.pending = 0
@@ -659,29 +662,43 @@ class RemoteTier(LowerTier):
         if why is not None:
             return self._lost(meta, header, why)
         self._bw.add(meta.size, start, time.perf_counter())
-        self._touch(node, client, meta, header[:GEN_BYTES])
+        self._touch(node, meta, header[:GEN_BYTES])
         return True
 
-    def _touch(self, node: str, client: Any, meta: ChunkMeta, gen: bytes) -> None:
-        """Give a chunk just read its TTL back (parts, header, aliases: PEXPIRE, a non-atomic batch per node),
-        at most once per REFRESH_FRACTION of the TTL; best effort. So a chunk read now and then stays and an
-        unread one expires. A store that refuses PEXPIRE (an ACL without it) is not asked again (logged)."""
+    def _touch(self, node: str, meta: ChunkMeta, gen: bytes) -> None:
+        """Queue a chunk just read for its TTL back (parts, header, aliases), at most once per REFRESH_FRACTION
+        of the TTL: so a chunk read now and then stays and an unread one expires. The maintenance thread
+        sends them (`_send_touches`), off the read's path."""
         if not self.ttl_ms or self._no_expire:
             return
         now = time.monotonic()
-        with self._lock:
-            if self._refreshed.get(meta.key, 0.0) > now:
-                return
-            self._refreshed.pop(meta.key, None)
-            self._refreshed[meta.key] = now + self.ttl_ms / 1000 * REFRESH_FRACTION
-            while len(self._refreshed) > REFRESH_MAX:
-                self._refreshed.popitem(last=False)
         ttl, parts = self.ttl_ms, -(-meta.size // PART_BYTES)
         by_node = {node: [*((self._part_key(meta.ns, meta.key, gen, i), ttl + PART_TTL_MARGIN_MS)
                             for i in range(parts)), (self._key(meta.ns, meta.key, "h"), ttl)]}
         for where, items in self._aliases_by_node(meta).items():
             by_node.setdefault(where, []).extend((k, ttl) for k, _ in items)
-        for where, items in by_node.items():
+        with self._lock:
+            if self._refreshed.get(meta.key, 0.0) > now:
+                return
+            if sum(map(len, self._touches.values())) + parts + 1 + len(meta.aliases) > TOUCH_MAX:
+                return  # the store is not keeping up: this one waits for a later read
+            self._refreshed.pop(meta.key, None)
+            self._refreshed[meta.key] = now + ttl / 1000 * REFRESH_FRACTION
+            while len(self._refreshed) > REFRESH_MAX:
+                self._refreshed.popitem(last=False)
+            for where, items in by_node.items():
+                self._touches.setdefault(where, []).extend(items)
+
+    def _send_touches(self) -> None:
+        """Maintenance thread: PEXPIRE the keys `_touch` queued, a non-atomic batch per node; best effort (a
+        node that fails loses its batch). A store that refuses PEXPIRE (an ACL without it) is not asked
+        again (logged once)."""
+        with self._lock:
+            touches, self._touches = self._touches, {}
+        client = self._client()
+        batches = [(where, items[i : i + TOUCH_BATCH]) for where, items in touches.items()
+                   for i in range(0, len(items), TOUCH_BATCH)]
+        for where, items in batches:
             def fill(batch: Any, items: list[tuple[str, int]] = items) -> None:
                 for k, ms in items:
                     batch.pexpire(k, ms)
@@ -1109,6 +1126,11 @@ class RemoteTier(LowerTier):
         INFO_REFRESH_S, refresh the slot map, the RTT and INFO."""
         last = time.monotonic()
         while not self._stop.wait(TICK_S):
+            if self._touches:
+                try:
+                    self._send_touches()
+                except Exception:
+                    log.exception("remote TTL refresh failed")
             for node, brk in list(self._breakers.items()):
                 if brk.open:
                     self._ping(node, brk)
