@@ -35,7 +35,7 @@ from test_remote_operations import header_of, prefix, sample, tiers  # noqa: F40
 from test_remote_tier import answered, keys_matching, new_meta, raw_client, read
 
 pytestmark = pytest.mark.integration
-# redis_server, redis_cluster, make_acl_user
+# redis_server, redis_cluster, redis_cluster_own, make_acl_user
 pytest_plugins = ("redis_servers",)
 
 SMALL = 64 << 10  # one-part chunks: an OOM-refused put is one refused SET
@@ -322,3 +322,23 @@ def test_a_read_refreshes_the_ttl_on_every_master_of_a_cluster(redis_cluster, ti
         assert keys_matching(redis_cluster, f"{tier.prefix}:{ns.hex()}:{{{alias.hex()}}}:a")
     other = tiers(redis_cluster)
     assert answered(other, [[*hot.aliases[:1]]], ns) == [(hot, 1)]  # a lookup ending inside the chunk
+
+
+def test_a_full_cluster_pauses_writes_per_master(redis_cluster_own, tiers):  # noqa: F811
+    """Every master of a Cluster of the test's own full (noeviction): each refuses a few SETs at most."""
+    url, ports = redis_cluster_own
+    for port in ports:
+        node = f"redis://127.0.0.1:{port}"
+        room = int(info(node, "memory")["used_memory"]) + (3 << 20)
+        command(node, "CONFIG", "SET", "maxmemory", str(room))
+    tier = tiers(url)
+    tier.scan()
+    ns = os.urandom(16)
+    start = time.monotonic()
+    written = sum(tier.put(new_meta(ns, SMALL, 1), os.urandom(SMALL)) for _ in range(300))
+    elapsed = time.monotonic() - start
+    refused = [cmdstat(f"redis://127.0.0.1:{port}", "set", "rejected_calls") for port in ports]
+    bound = 2 + math.ceil(math.log2(elapsed / FULL_PAUSE_S[0] + 1))
+    assert all(1 <= r <= bound for r in refused), (refused, bound, elapsed)
+    assert written > 0 and tier.skipped + tier.errors + written == 300
+    assert tier.errors <= sum(refused) <= tier.errors + 1  # and the start's probe SET, if its master was full
