@@ -64,6 +64,8 @@ class ServerConfig:
                                         "maxmemory policy then must be allkeys-*)")
     remote_timeout_ms: int = _opt(200, "floor of every remote call's timeout in ms; a transfer gets 4x its time at "
                                        "the measured bandwidth when that is longer")
+    remote_connect_timeout_ms: int = _opt(5000, "floor of a remote connection's setup timeout in ms (TCP, TLS, AUTH: "
+                                               "several round trips when cold)")
     remote_queue_depth: int = _opt(256, "chunks the remote write-behind queue holds before remote copies are dropped")
     remote_breaker_threshold: int = _opt(5, "consecutive failed calls (timeouts, lost connections) to one remote node "
                                             "that open its circuit breaker")
@@ -137,8 +139,9 @@ class ServerConfig:
             raise ValueError("--remote-prefix must be 1-64 of A-Z a-z 0-9 _ - . (it is matched by SCAN patterns)")
         if self.remote_ttl_s < 0 or (0 < self.remote_ttl_s < 0.001):
             raise ValueError("--remote-ttl-s must be 0 (no TTL) or at least 0.001")
-        if self.remote_timeout_ms <= 0 or self.remote_queue_depth <= 0:
-            raise ValueError("--remote-timeout-ms and --remote-queue-depth must be positive")
+        if self.remote_timeout_ms <= 0 or self.remote_connect_timeout_ms <= 0 or self.remote_queue_depth <= 0:
+            raise ValueError("--remote-timeout-ms, --remote-connect-timeout-ms and --remote-queue-depth must be "
+                             "positive")
         if self.remote_breaker_threshold < 1 or self.remote_breaker_reset_s <= 0:
             raise ValueError("--remote-breaker-threshold must be at least 1 and --remote-breaker-reset-s positive")
 

@@ -225,6 +225,11 @@ class RemoteMetrics(L2Metrics):
             "permission, server error, unavailable): it stays in the store until its TTL, ignored by this node "
             "meanwhile", registry=r,
         )
+        self.skipped_writes = Counter(
+            "kvtier_remote_skipped_writes", "Remote writes not sent, by reason (full: the chunk's node answered OOM "
+            "less than its back-off ago; writes to it resume after it)", ["reason"], registry=r,
+        )
+        self.skipped_writes.labels("full")
         self.breaker_open = Gauge("kvtier_remote_breaker_open", "1 while the circuit breaker of a remote node is "
                                   "open (its calls are misses and dropped writes), else 0", ["node"], registry=r)
         for op in ("get", "put", "probe"):

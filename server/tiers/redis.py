@@ -17,13 +17,16 @@ Writes (`put`, write-behind threads): skipped when the header exists (another no
 else the parts (one non-atomic batch), then the header with SET NX, then the aliases with NX, all with the TTL
 (parts a little longer, so a header never outlives its parts by expiry). A put that loses the NX race
 deletes its own parts: a reader only ever sees one generation's parts, whose checksum is in its header, so
-two writers of different bytes never mix. Reads (`get`, promotion threads): the header, then each part
+two writers of different bytes never mix. A node that answers OOM (full, its policy evicts nothing) gets no
+writes for FULL_PAUSE_S[0], doubled per refused retry (skipped writes counted); reads go on.
+Reads (`get`, promotion threads): the header, then each part
 straight into the L1 pages (a part that crosses a page run goes through a staging buffer), sizes and
 checksum verified before True; a missing part or header (`missing`) or a bad one (`corrupt`: a wrong size or
 checksum, never an error reply, which is a counted miss) is a miss and the header is deleted (only if it is
 still the one read; GET and UNLINK, the documented ACL's commands), never served; that generation is
 ignored for BAD_TTL_S, so it is counted once even when its delete failed (counted, logged). glide copies a GET's value into the
 buffer inside the call, so the pages are not written after it returns (the caller owns them until then).
+A chunk read gets its TTL back (PEXPIRE, throttled per chunk: `_touch`).
 
 Lookups (`find_prefix`, the serving loop) never wait: they answer from a presence cache (block key ->
 (record, leading blocks) or missing, with an expiry, bounded), and for a chunk it does not know they start
@@ -31,17 +34,19 @@ one probe on the probe thread (pipelined GETs of the header and alias keys, per 
 ("pending"); the next lookup finds the answers. Known misses end the run.
 
 Failures: no retries on the data path; glide's request timeout is `--remote-timeout-ms` or 4x a part's time
-at the measured bandwidth, whichever is longer (a batch's: 4x its bytes' time). One circuit breaker per node
-address (purgatory's state machine; its bookkeeping under a lock of ours, never the call: calls run in
-parallel): while one is open, that node's reads are misses, its writes dropped and its lookups misses, all
-counted, and the maintenance thread PINGs it after `--remote-breaker-reset-s`; an answer closes it. The
-breakers of nodes that leave the Cluster's slot map go with it (health follows the current masters).
+at the measured bandwidth, whichever is longer (a batch's: 4x its bytes' time; a thread's client is made
+anew when that moved RESIZE_FACTOR away; a connection's setup: at least `--remote-connect-timeout-ms`).
+One circuit breaker per node address (purgatory's state machine; its bookkeeping under a lock of ours, never
+the call: calls run in parallel): while one is open, that node's reads are misses, its writes dropped and
+its lookups misses, all counted, and the maintenance thread PINGs it after `--remote-breaker-reset-s`; an
+answer closes it. The breakers of nodes that leave the Cluster's slot map go with it (health follows the
+current masters).
 
 Accounting (the tier contract's properties, cheap and non-blocking): `used_bytes` and `capacity_bytes` are
 the store's INFO used_memory and maxmemory summed over its masters (every node's data, not only this one's;
 refreshed every few seconds off the loop; capacity 0 = no limit), `entries` the chunks the presence cache
 knows to be there, `written`/`written_bytes` what this node wrote. The store owns capacity (maxmemory with
-a volatile-* or allkeys-* policy): nothing here evicts.
+a volatile-* or allkeys-* policy): nothing here evicts; a store that cannot evict is warned of at start.
 """
 
 from __future__ import annotations
@@ -88,6 +93,12 @@ BAD_MAX = 10_000  # bad generations remembered; the oldest go first
 PROBE_ROUNDS = 3  # chunk headers, then the aliases of the chunk where the run ends, then their chunks
 TIMEOUT_FACTOR = 4  # a transfer times out at this many times its duration at the measured bandwidth
 ASSUMED_BYTES_PER_S = 100e6  # until the bandwidth is measured: 1 GbE
+RESIZE_FACTOR = 2.0  # a thread's client is made anew when its part timeout is this far off the sized one
+FULL_PAUSE_S = (1.0, 60.0)  # writes to a node that answered OOM pause this long, doubled per OOM retry up to this
+REFRESH_FRACTION = 0.25  # a chunk read gets its TTL back at most once per this fraction of the TTL
+REFRESH_MAX = 100_000  # chunks whose next TTL refresh time is remembered; the oldest go first
+TOUCH_MAX = 100_000  # keys waiting for their TTL refresh (sent every TICK_S); more are not refreshed
+TOUCH_BATCH = 1000  # PEXPIREs per pipeline
 TICK_S = 0.25  # maintenance thread: how often open breakers are looked at
 INFO_REFRESH_S = 5.0  # ... and how often INFO (used_memory, maxmemory), the slot map and the RTT are refreshed
 SCAN_COUNT = 1000
@@ -101,6 +112,14 @@ def _node_failure(exc: BaseException) -> bool:
     """Whether `exc` says the node did not answer (towards opening its breaker), not that it refused. A glide
     client that never connected raises a plain RequestError ("... connect failed") for a node that is down."""
     return isinstance(exc, _NODE_FAILURES) or (isinstance(exc, glide.RequestError) and "connect" in str(exc).lower())
+
+
+def _full(exc: object) -> bool:
+    """Whether `exc` (an exception or a batch's error value) is the store's OOM reply: maxmemory reached and
+    its policy evicts nothing (noeviction, or volatile-* with no TTL'd keys left)."""
+    return isinstance(exc, glide.RequestError) and str(exc).startswith("OOM")
+
+
 # A "partial data" error glide raises itself when a GET's value is larger than the caller's buffer: the part
 # is longer than its header says (corruption), unlike the server's error replies (the store is unavailable).
 _OVERFLOW = "exceeds buffer capacity"
@@ -258,12 +277,13 @@ class RemoteTier(LowerTier):
 
     def __init__(self, url: str, prefix: str = "kvtier", ttl_s: float = 86400.0, timeout_ms: int = 200,
                  breaker_threshold: int = 5, breaker_reset_s: float = 5.0,
-                 metrics: RemoteMetrics | None = None) -> None:
+                 metrics: RemoteMetrics | None = None, connect_timeout_ms: int = 5000) -> None:
         self.url: RemoteUrl = parse_remote_url(url)
         self.path = self.url.redacted()  # where the tier is, for logs and status (no password)
         self.prefix = prefix
         self.ttl_ms = round(ttl_s * 1000)
         self.timeout_ms = timeout_ms
+        self.connect_timeout_ms = connect_timeout_ms  # floor of a connection's setup (a cold TLS one: several RTTs)
         self.m = metrics if metrics is not None else RemoteMetrics(Metrics())
         glide.Logger.init(glide.LogLevel.ERROR)  # not glide's per-timeout warnings (counted here instead)
         self._breakers: dict[str, _Breaker] = {}
@@ -281,9 +301,14 @@ class RemoteTier(LowerTier):
         self._slot_nodes: list[str] = [self._node_name(*seed)]
         self._rtt = 0.0
         self._used = self._capacity = 0
+        self._limits: dict[str, tuple[int, str]] = {}  # master -> (maxmemory, maxmemory_policy), from INFO
+        self._full: dict[str, tuple[float, float]] = {}  # master that answered OOM -> (writes pause until, pause)
+        self._refreshed: OrderedDict[bytes, float] = OrderedDict()  # chunk key -> its next TTL refresh, not before
+        self._touches: dict[str, list[tuple[str, int]]] = {}  # node -> (key, TTL ms) to PEXPIRE at the next tick
+        self._no_expire = False  # the store refused PEXPIRE (an ACL without it): TTLs are not refreshed
         self.written = self.written_bytes = 0
         self.existing = self.corrupt = self.missing = self.pending = 0
-        self.rejected = self.timeouts = self.errors = 0
+        self.rejected = self.timeouts = self.errors = self.skipped = 0
         self._stop = threading.Event()
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(PROBE_QUEUE)
         self._threads = [threading.Thread(target=self._run_jobs, name="kvtier-remote-probe", daemon=True),
@@ -315,6 +340,8 @@ class RemoteTier(LowerTier):
             "remote_timeouts": self.timeouts,
             "remote_errors": self.errors,
             "remote_breakers_open": self._down(),
+            "remote_skipped_writes": self.skipped,
+            "remote_writes_paused": sorted(n for n in list(self._full) if self._write_paused(n)),
         }
 
     def health(self) -> tuple[bool, str]:
@@ -359,9 +386,20 @@ class RemoteTier(LowerTier):
     def _available(self, node: str) -> bool:
         return not self._breaker(node).open
 
-    def _client(self) -> Any:
+    def _client(self, resize: bool = False) -> Any:
+        """This thread's client. `resize` (only where no caller up the stack holds it: put, get): made anew
+        when its request timeout is RESIZE_FACTOR off the one the measured bandwidth now sizes for a part."""
         client = getattr(self._local, "client", None)
+        if client is not None and resize:
+            made, sized = self._local.timeout_ms, self._timeout_ms(PART_BYTES)
+            if not made / RESIZE_FACTOR <= sized <= made * RESIZE_FACTOR:
+                with self._lock:
+                    self._clients.remove(client)
+                with contextlib.suppress(glide.GlideError):
+                    client.close()
+                client = None
         if client is None:
+            self._local.timeout_ms = self._timeout_ms(PART_BYTES)
             client = self._local.client = self._connect()
             with self._lock:
                 self._clients.append(client)
@@ -373,14 +411,15 @@ class RemoteTier(LowerTier):
         addresses = [glide.NodeAddress(h, p) for h, p in u.nodes]
         creds = glide.ServerCredentials(u.password, u.username or None) if u.password else None
         timeout = self._timeout_ms(PART_BYTES)
+        connect = max(timeout, self.connect_timeout_ms)
         common = dict(use_tls=u.tls, credentials=creds, request_timeout=timeout, lazy_connect=True)
         if u.cluster:
             return glide.GlideClusterClient.create(glide.GlideClusterClientConfiguration(
-                addresses, advanced_config=glide.AdvancedGlideClusterClientConfiguration(connection_timeout=timeout),
+                addresses, advanced_config=glide.AdvancedGlideClusterClientConfiguration(connection_timeout=connect),
                 **common))
         return glide.GlideClient.create(glide.GlideClientConfiguration(
             addresses, database_id=u.db or None,
-            advanced_config=glide.AdvancedGlideClientConfiguration(connection_timeout=timeout), **common))
+            advanced_config=glide.AdvancedGlideClientConfiguration(connection_timeout=connect), **common))
 
     def _timeout_ms(self, nbytes: int) -> int:
         bw = self._bw.bytes_per_s or ASSUMED_BYTES_PER_S
@@ -447,12 +486,18 @@ class RemoteTier(LowerTier):
 
     def put(self, meta: ChunkMeta, payload: Any, keep: Callable[[], bool] | None = None) -> bool:
         """Write a chunk (its bytes, or `prepare`'s result) unless the store has it; False when it was there,
-        or the write was dropped (breaker open, timeout, server error: counted)."""
+        or the write was dropped (breaker open, timeout, server error: counted) or not sent (its node answered
+        OOM less than its back-off ago: counted as skipped, "full")."""
         self._learn(meta.ns)
         if self.contains(meta.key):
             return False
+        node = self._node_of(meta.key)
+        if self._write_paused(node):
+            self.skipped += 1
+            self.m.skipped_writes.labels("full").inc()
+            return False
         prepared = payload if isinstance(payload, Prepared) else self.prepare(meta, [payload])
-        node, client = self._node_of(meta.key), self._client()
+        client = self._client(resize=True)
         hkey = self._key(meta.ns, meta.key, "h")
         gen = prepared.header[:GEN_BYTES]
         parts = [self._part_key(meta.ns, meta.key, gen, i) for i in range(len(prepared.parts))]
@@ -469,16 +514,15 @@ class RemoteTier(LowerTier):
 
             results = self._call(node, "put", lambda: self._batch(client, fill, meta.size))
             if len(results) != len(parts) or any(isinstance(r, Exception) for r in results):
-                self._error("put", node, next((r for r in results if isinstance(r, Exception)), "short batch"))
-                self._unlink(node, parts)
+                self._refused(node, next((r for r in results if isinstance(r, Exception)), "short batch"), parts)
                 return False
             won = self._put_header(node, client, meta, hkey, prepared.header)
         except _Unavailable:
             return False
         except glide.RequestError as exc:  # the server refused (out of memory, no permission): dropped
-            self._error("put", node, exc)
-            self._unlink(node, parts)
+            self._refused(node, exc, parts)
             return False
+        self._writable(node)
         if not won:  # another node's header went in first: its parts are the chunk's, ours go
             self._unlink(node, parts)
             self._existing(meta)
@@ -493,6 +537,41 @@ class RemoteTier(LowerTier):
         self.written_bytes += meta.size
         return True
 
+    def _refused(self, node: str, exc: object, parts: list[str]) -> None:
+        """A write the store refused (an error reply; OOM pauses writes to `node`): counted, parts deleted."""
+        self._error("put", node, exc)  # type: ignore[arg-type]
+        if _full(exc):
+            self._filled(node)
+        self._unlink(node, parts)
+
+    def _write_paused(self, node: str) -> bool:
+        """Whether writes to `node` wait: it answered OOM less than its back-off ago."""
+        item = self._full.get(node)
+        return item is not None and item[0] > time.monotonic()
+
+    def _filled(self, node: str) -> None:
+        """`node` answered OOM: writes to it pause FULL_PAUSE_S[0], doubled (up to FULL_PAUSE_S[1]) each
+        time the write after a pause is refused again; reads go on. Logged when a full spell starts."""
+        now = time.monotonic()
+        with self._lock:
+            until, last = self._full.get(node, (0.0, 0.0))
+            if until > now:  # another thread's write of the same pause
+                return
+            pause = min(last * 2, FULL_PAUSE_S[1]) if last else FULL_PAUSE_S[0]
+            self._full[node] = (now + pause, pause)
+        if not last:
+            log.warning("remote node %s is full (OOM: maxmemory reached and its policy evicts nothing): writes to "
+                        "it pause %.0f s, then retry with a back-off growing to %.0f s; reads go on", node,
+                        FULL_PAUSE_S[0], FULL_PAUSE_S[1])
+
+    def _writable(self, node: str) -> None:
+        """A write to `node` went in: if it was full, its writes resume (logged)."""
+        if node in self._full:
+            with self._lock:
+                was = self._full.pop(node, None)
+            if was is not None:
+                log.info("remote node %s takes writes again", node)
+
     def _existing(self, meta: ChunkMeta) -> None:
         self.existing += 1
         self.m.existing.inc()
@@ -503,10 +582,9 @@ class RemoteTier(LowerTier):
         names the chunk, whichever writer wins), the others after it (best effort: a missing alias only
         loses that partial match). Whether this header went in; a failure of the chunk's node raises."""
         nx, expiry = glide.ConditionalChange.ONLY_IF_DOES_NOT_EXIST, self._expiry()
-        by_node: dict[str, list[tuple[str, bytes]]] = {node: [(hkey, header)]}
-        for j, alias in enumerate(meta.aliases, start=1):
-            by_node.setdefault(self._node_of(alias), []).append(
-                (self._key(meta.ns, alias, "a"), ALIAS.pack(meta.key, j)))
+        by_node = {node: [(hkey, header)]}
+        for where, items in self._aliases_by_node(meta).items():
+            by_node.setdefault(where, []).extend(items)
         won = False
         for where, items in by_node.items():
             def fill(batch: Any, items: list[tuple[str, bytes]] = items) -> None:
@@ -524,6 +602,14 @@ class RemoteTier(LowerTier):
                     raise results[0]  # the server refused the header (out of memory, no permission)
                 won = bool(results) and results[0] is not None
         return won
+
+    def _aliases_by_node(self, meta: ChunkMeta) -> dict[str, list[tuple[str, bytes]]]:
+        """The alias keys of `meta` and their values (the chunk key, the leading blocks), by node."""
+        by_node: dict[str, list[tuple[str, bytes]]] = {}
+        for j, alias in enumerate(meta.aliases, start=1):
+            by_node.setdefault(self._node_of(alias), []).append(
+                (self._key(meta.ns, alias, "a"), ALIAS.pack(meta.key, j)))
+        return by_node
 
     def _unlink(self, node: str, keys: list[str]) -> None:
         """Delete keys of one slot, best effort (they expire anyway)."""
@@ -553,7 +639,7 @@ class RemoteTier(LowerTier):
     # -- reads -----------------------------------------------------------------------------------
 
     def get(self, meta: ChunkMeta, bufs: Sequence[memoryview]) -> bool:
-        node, client = self._node_of(meta.key), self._client()
+        node, client = self._node_of(meta.key), self._client(resize=True)
         hkey = self._key(meta.ns, meta.key, "h")
         start = time.perf_counter()
         try:
@@ -576,7 +662,57 @@ class RemoteTier(LowerTier):
         if why is not None:
             return self._lost(meta, header, why)
         self._bw.add(meta.size, start, time.perf_counter())
+        self._touch(node, meta, header[:GEN_BYTES])
         return True
+
+    def _touch(self, node: str, meta: ChunkMeta, gen: bytes) -> None:
+        """Queue a chunk just read for its TTL back (parts, header, aliases), at most once per REFRESH_FRACTION
+        of the TTL: so a chunk read now and then stays and an unread one expires. The maintenance thread
+        sends them (`_send_touches`), off the read's path."""
+        if not self.ttl_ms or self._no_expire:
+            return
+        now = time.monotonic()
+        ttl, parts = self.ttl_ms, -(-meta.size // PART_BYTES)
+        by_node = {node: [*((self._part_key(meta.ns, meta.key, gen, i), ttl + PART_TTL_MARGIN_MS)
+                            for i in range(parts)), (self._key(meta.ns, meta.key, "h"), ttl)]}
+        for where, items in self._aliases_by_node(meta).items():
+            by_node.setdefault(where, []).extend((k, ttl) for k, _ in items)
+        with self._lock:
+            if self._refreshed.get(meta.key, 0.0) > now:
+                return
+            if sum(map(len, self._touches.values())) + parts + 1 + len(meta.aliases) > TOUCH_MAX:
+                return  # the store is not keeping up: this one waits for a later read
+            self._refreshed.pop(meta.key, None)
+            self._refreshed[meta.key] = now + ttl / 1000 * REFRESH_FRACTION
+            while len(self._refreshed) > REFRESH_MAX:
+                self._refreshed.popitem(last=False)
+            for where, items in by_node.items():
+                self._touches.setdefault(where, []).extend(items)
+
+    def _send_touches(self) -> None:
+        """Maintenance thread: PEXPIRE the keys `_touch` queued, a non-atomic batch per node; best effort (a
+        node that fails loses its batch). A store that refuses PEXPIRE (an ACL without it) is not asked
+        again (logged once)."""
+        with self._lock:
+            touches, self._touches = self._touches, {}
+        client = self._client()
+        batches = [(where, items[i : i + TOUCH_BATCH]) for where, items in touches.items()
+                   for i in range(0, len(items), TOUCH_BATCH)]
+        for where, items in batches:
+            def fill(batch: Any, items: list[tuple[str, int]] = items) -> None:
+                for k, ms in items:
+                    batch.pexpire(k, ms)
+
+            try:
+                results = self._call(where, "put", lambda fill=fill: self._batch(client, fill, 0))
+            except (_Unavailable, glide.RequestError):
+                continue
+            denied = next((r for r in results if isinstance(r, glide.RequestError)), None)
+            if denied is not None and any(w in str(denied) for w in ("NOPERM", "PermissionDenied")):
+                self._no_expire = True
+                log.warning("remote store %s refused PEXPIRE (%s): chunks read keep the TTL they were written with "
+                            "(the ACL of docs/remote.md grants it)", self.path, denied)
+                return
 
     def _read_parts(self, node: str, client: Any, meta: ChunkMeta, gen: bytes, bufs: Sequence[memoryview],
                     fields: bytes, checksum: bytes) -> str | None:
@@ -866,8 +1002,10 @@ class RemoteTier(LowerTier):
 
     def scan(self) -> int:
         """Nothing to rebuild (the store is remote): map the Cluster's slots, measure the RTT and seed the
-        bandwidth with one part's SET and GET of a probe key, read INFO. Returns 0."""
+        bandwidth with one part's SET and GET of a probe key, read INFO (warn of a store that cannot evict).
+        Returns 0."""
         self._refresh()
+        self._warn_unbounded()
         tag = os.urandom(16)
         node, client = self._node_of(tag), self._client()
         probe_key = f"{self.prefix}:probe:{{{tag.hex()}}}"
@@ -881,6 +1019,9 @@ class RemoteTier(LowerTier):
             t2 = time.perf_counter()
             self._call(node, "put", lambda: client.unlink([probe_key]))
         except (_Unavailable, glide.RequestError) as exc:
+            if _full(exc):  # it answered: full (logged), writes pause
+                self._filled(node)
+                return 0
             log.warning("remote store %s did not answer at start-up (%s): lookups miss and writes drop until "
                         "it does", self.path, exc or "unavailable")
             return 0
@@ -889,6 +1030,20 @@ class RemoteTier(LowerTier):
         log.info("remote store %s: RTT %.2f ms, 1 MiB SET %.0f MB/s, GET %.0f MB/s", self.path, self._rtt * 1e3,
                  PART_BYTES / (t1 - t0) / 1e6, PART_BYTES / (t2 - t1) / 1e6)
         return 0
+
+    def _warn_unbounded(self) -> None:
+        """One WARNING line when a master's INFO memory shows a store that does not evict: no maxmemory (it
+        grows until its host runs out), noeviction (full, it refuses writes), or volatile-* with no TTL."""
+        unbounded = [n for n, (mem, _) in sorted(self._limits.items()) if not mem]
+        stuck = [n for n, (mem, policy) in sorted(self._limits.items()) if mem and (
+            policy == "noeviction" or (policy.startswith("volatile") and not self.ttl_ms))]
+        why = ([f"no maxmemory on {', '.join(unbounded)}: it grows until the host runs out of memory "
+                "(chunks go only by --remote-ttl-s)"] if unbounded else []) + (
+               [f"maxmemory-policy evicts no kvtier chunk on {', '.join(stuck)}: once full it refuses writes "
+                "(they pause with a back-off) until chunks expire"] if stuck else [])
+        if why:
+            log.warning("remote store %s: %s; set maxmemory and allkeys-lru (docs/remote.md)", self.path,
+                        "; ".join(why))
 
     def _masters(self) -> list[str]:
         return sorted(set(self._slot_nodes))
@@ -924,6 +1079,7 @@ class RemoteTier(LowerTier):
             fields = dict(line.split(":", 1) for line in _text(info).splitlines() if ":" in line)
             used += int(fields.get("used_memory", 0))
             capacity += int(fields.get("maxmemory", 0))
+            self._limits[node] = (int(fields.get("maxmemory", 0)), fields.get("maxmemory_policy", ""))
         if rtts:
             self._rtt = sorted(rtts)[len(rtts) // 2]
             self._used, self._capacity = used, capacity
@@ -970,6 +1126,11 @@ class RemoteTier(LowerTier):
         INFO_REFRESH_S, refresh the slot map, the RTT and INFO."""
         last = time.monotonic()
         while not self._stop.wait(TICK_S):
+            if self._touches:
+                try:
+                    self._send_touches()
+                except Exception:
+                    log.exception("remote TTL refresh failed")
             for node, brk in list(self._breakers.items()):
                 if brk.open:
                     self._ping(node, brk)
