@@ -205,7 +205,8 @@ def test_master_killed_mid_workload_fails_over(redis_cluster_replicas: Replicate
 
     # (d): L1 hits did not wait on the store during the outage.
     bound = max(L1_RATIO * before.p99(), L1_CAP_S)
-    print(f"failover: recovered in {recovered_s:.1f} s (degraded: {sorted(reasons - {''})}); L1 hit p99 "
+    print(f"failover: replica serving {t_promoted - t_kill:.1f} s after the kill, nodes checked healthy at "
+          f"{recovered_s:.1f} s (degraded: {sorted(reasons - {''})}); L1 hit p99 "
           f"{before.p99() * 1e3:.1f} ms before ({len(before.l1_s)}), {outage.p99() * 1e3:.1f} ms in the outage "
           f"({len(outage.l1_s)}), max {max(outage.l1_s) * 1e3:.1f} ms; {after.p99() * 1e3:.1f} ms after; B remote "
           f"hits/misses before {before.remote_hits}/{before.misses}, outage {outage.remote_hits}/{outage.misses}, "
