@@ -210,6 +210,6 @@ def test_master_killed_mid_workload_fails_over(redis_cluster_replicas: Replicate
           f"{before.p99() * 1e3:.1f} ms before ({len(before.l1_s)}), {outage.p99() * 1e3:.1f} ms in the outage "
           f"({len(outage.l1_s)}), max {max(outage.l1_s) * 1e3:.1f} ms; {after.p99() * 1e3:.1f} ms after; B remote "
           f"hits/misses before {before.remote_hits}/{before.misses}, outage {outage.remote_hits}/{outage.misses}, "
-          f"after {after.remote_hits}/{after.misses}")
+          f"after {after.remote_hits}/{after.misses}; B's remote errors {b.remote()['remote_errors']}")
     assert outage.p99() <= bound, (outage.p99(), before.p99())
     assert max(outage.l1_s) < TIMEOUT_MS / 1000, max(outage.l1_s)
