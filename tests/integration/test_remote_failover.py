@@ -99,17 +99,21 @@ def cli(port: int, *args: str) -> str:
                           check=True).stdout
 
 
+def myself(port: int) -> list[str]:
+    """The fields of the node's own CLUSTER NODES line: id, address, flags, master, ..., slot ranges."""
+    return next(line for line in cli(port, "CLUSTER", "NODES").splitlines() if "myself" in line).split()
+
+
 def own_slots(port: int) -> list[tuple[int, int]]:
-    """The slot ranges the node on `port` serves as a master (its CLUSTER NODES line)."""
-    line = next(line for line in cli(port, "CLUSTER", "NODES").splitlines() if "myself" in line)
-    assert "master" in line.split()[2], line
-    return [(int(r.partition("-")[0]), int(r.partition("-")[2] or r)) for r in line.split()[8:]]
+    """The slot ranges the node on `port` serves as a master."""
+    fields = myself(port)
+    assert "master" in fields[2], fields
+    return [(int(r.partition("-")[0]), int(r.partition("-")[2] or r)) for r in fields[8:]]
 
 
 def serving(port: int) -> bool:
     """Whether the node on `port` is a master and its Cluster is ok."""
-    me = next(line for line in cli(port, "CLUSTER", "NODES").splitlines() if "myself" in line)
-    return "master" in me.split()[2] and "cluster_state:ok" in cli(port, "CLUSTER", "INFO")
+    return "master" in myself(port)[2] and "cluster_state:ok" in cli(port, "CLUSTER", "INFO")
 
 
 def slot(key: bytes) -> int:
