@@ -4,6 +4,9 @@
 #   scripts/redis_env.sh install                      # apt-get install redis-server + redis-tools if missing
 #   scripts/redis_env.sh standalone DIR PORT          # one server; prints redis://127.0.0.1:PORT
 #   scripts/redis_env.sh cluster DIR PORT PORT PORT   # 3 masters, no replicas; prints redis+cluster://...
+#   scripts/redis_env.sh cluster-replicas DIR PORT x6 # 3 masters + 1 replica each, node timeout 1 s (a
+#                                                     # killed master fails over within seconds); prints the
+#                                                     # redis+cluster:// URL of the masters
 #   scripts/redis_env.sh stop DIR                     # stop the servers started in DIR (their pid files)
 #
 # Servers keep nothing on disk (no RDB, no AOF), bind 127.0.0.1 only, and run daemonized with their pid
@@ -51,32 +54,46 @@ standalone() {  # $1=dir $2=port
     echo "redis://127.0.0.1:$2"
 }
 
-cluster() {  # $1=dir, then the ports of the masters
-    local dir="$1"
-    shift
+cluster() {  # $1=dir $2=replicas per master $3=node timeout (ms), then the ports (masters first)
+    local dir="$1" replicas="$2" timeout="$3"
+    shift 3
     install
     local nodes=() port
     for port in "$@"; do
+        # A replica may fail over however stale its data (validity factor 0), and syncs without delay.
         start_one "$dir" "$port" --cluster-enabled yes --cluster-config-file "$dir/nodes-$port.conf" \
-            --cluster-node-timeout 5000
+            --cluster-node-timeout "$timeout" --cluster-replica-validity-factor 0 --repl-diskless-sync-delay 0
         nodes+=("127.0.0.1:$port")
     done
-    redis-cli --cluster create "${nodes[@]}" --cluster-replicas 0 --cluster-yes >"$dir/cluster-create.log" 2>&1 || {
+    redis-cli --cluster create "${nodes[@]}" --cluster-replicas "$replicas" --cluster-yes \
+        >"$dir/cluster-create.log" 2>&1 || {
         cat "$dir/cluster-create.log" >&2
         exit 1
     }
-    for port in "$@"; do  # every master sees all slots assigned before the cluster is used
-        for _ in $(seq 100); do
-            if redis-cli -h 127.0.0.1 -p "$port" cluster info | grep -q '^cluster_state:ok'; then break; fi
+    local masters=$(($# / (replicas + 1)))
+    for port in "$@"; do  # every node sees all slots assigned and every replica attached before it is used
+        for _ in $(seq 200); do
+            if cluster_ready "$port" "$masters" "$(($# - masters))"; then break; fi
             sleep 0.1
         done
-        redis-cli -h 127.0.0.1 -p "$port" cluster info | grep -q '^cluster_state:ok' || {
+        cluster_ready "$port" "$masters" "$(($# - masters))" || {
             log "cluster node $port is not ok"
             exit 1
         }
     done
     local IFS=,
-    echo "redis+cluster://${nodes[*]}"
+    echo "redis+cluster://${nodes[*]:0:masters}"
+}
+
+cluster_ready() {  # $1=port $2=masters $3=replicas: state ok, that many of each known, a replica in sync
+    local nodes
+    redis-cli -h 127.0.0.1 -p "$1" cluster info | grep -q '^cluster_state:ok' || return 1
+    nodes="$(redis-cli -h 127.0.0.1 -p "$1" cluster nodes)"
+    [[ "$(grep -c ' master ' <<<"${nodes//,master / master }")" -eq "$2" ]] || return 1
+    [[ "$(grep -c ' slave ' <<<"${nodes//,slave / slave }")" -eq "$3" ]] || return 1
+    if grep -q 'myself,slave' <<<"$nodes"; then
+        redis-cli -h 127.0.0.1 -p "$1" info replication | grep -q '^master_link_status:up' || return 1
+    fi
 }
 
 stop() {  # $1=dir: the servers whose pid files are there
@@ -98,7 +115,8 @@ stop() {  # $1=dir: the servers whose pid files are there
 case "${1:-}" in
     install) install ;;
     standalone) standalone "$2" "$3" ;;
-    cluster) shift; dir="$1"; shift; cluster "$dir" "$@" ;;
+    cluster) shift; dir="$1"; shift; cluster "$dir" 0 5000 "$@" ;;
+    cluster-replicas) shift; dir="$1"; shift; cluster "$dir" 1 1000 "$@" ;;
     stop) stop "$2" ;;
-    *) echo "usage: $0 install | standalone DIR PORT | cluster DIR PORT PORT PORT | stop DIR" >&2; exit 2 ;;
+    *) echo "usage: $0 install | standalone DIR PORT | cluster DIR PORT PORT PORT | cluster-replicas DIR PORT x6 | stop DIR" >&2; exit 2 ;;
 esac

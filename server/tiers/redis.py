@@ -896,7 +896,8 @@ class RemoteTier(LowerTier):
 
     def _get_many(self, items: list[tuple[bytes, bytes, str]]) -> tuple[dict, dict]:
         """GET (namespace, key, "h" or "a") items, a pipeline per node: (the header values, the alias values)
-        found, by item. A node that fails or is unavailable answers nothing."""
+        found, by item. A node that fails or is unavailable answers nothing, an error reply nothing for its key
+        (one counted per pipeline)."""
         by_node: dict[str, list[tuple[bytes, bytes, str]]] = {}
         for item in items:
             by_node.setdefault(self._node_of(item[1]), []).append(item)
@@ -912,6 +913,9 @@ class RemoteTier(LowerTier):
                 if isinstance(exc, glide.RequestError):
                     self._error("probe", node, exc)
                 continue
+            refused = next((v for v in values if isinstance(v, Exception)), None)
+            if refused is not None:  # e.g. CLUSTERDOWN while a failover elects a replica
+                self._error("probe", node, refused)
             for item, value in zip(batch_items, values, strict=False):
                 if isinstance(value, bytes):
                     (headers if item[2] == "h" else aliases)[item] = value

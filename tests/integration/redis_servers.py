@@ -10,7 +10,9 @@
   ``make_acl_user`` (fixture): ``acl_user(url, name, drop=..., keys=...)``, a variant of that line (rules
   left out, other key patterns): its URL;
 * ``redis_cluster_own`` (per test): a 3-master Cluster of the test's own (to kill and reshape): its URL and
-  its ports.
+  its ports;
+* ``redis_cluster_replicas`` (per test): 3 masters with a replica each, node timeout 1 s (a killed master
+  fails over within seconds): ReplicatedCluster (url of the masters, their ports, each one's replica, pids).
 
 Nothing is skipped: redis_env.sh installs redis-server with apt-get when it is missing, and a server that
 does not start fails the test. Import the fixtures into a test module by name.
@@ -40,6 +42,17 @@ BUS_OFFSET = 10000  # a Cluster node's bus port is its port + 10000
 class RedisServer:
     url: str
     pid: int
+
+
+@dataclass(frozen=True)
+class ReplicatedCluster:
+    url: str  # redis+cluster:// with the masters as seeds
+    masters: list[int]  # ports, in the URL's order
+    replica_of: dict[int, int]  # master port -> its replica's port
+    directory: Path
+
+    def pid(self, port: int) -> int:
+        return int((self.directory / f"redis-{port}.pid").read_text())
 
 
 def _free(port: int) -> bool:
@@ -168,4 +181,26 @@ def redis_cluster_own(tmp_path: Path) -> Iterator[tuple[str, list[int]]]:
     ports = free_ports(3, bus=True)
     url = _env("cluster", directory, *ports)
     yield url, ports
+    _env("stop", directory)
+
+
+@pytest.fixture
+def redis_cluster_replicas(tmp_path: Path) -> Iterator[ReplicatedCluster]:
+    directory = tmp_path / "cluster-replicas"
+    ports = free_ports(6, bus=True)
+    url = _env("cluster-replicas", directory, *ports)
+    ids: dict[str, int] = {}
+    replicas: dict[str, int] = {}  # master id -> replica port
+    nodes = subprocess.run(["redis-cli", "-p", str(ports[0]), "CLUSTER", "NODES"], capture_output=True, text=True,
+                           timeout=30, check=True).stdout
+    for line in nodes.splitlines():  # <id> <ip:port@bus> <flags> <master id or -> ...
+        node_id, address, flags, master = line.split()[:4]
+        port = int(address.split("@")[0].rpartition(":")[2])
+        if "master" in flags.split(","):
+            ids[node_id] = port
+        else:
+            replicas[master] = port
+    masters = [int(node.rpartition(":")[2]) for node in url.removeprefix("redis+cluster://").split(",")]
+    assert sorted(masters) == sorted(ids.values()), nodes
+    yield ReplicatedCluster(url, masters, {ids[m]: port for m, port in replicas.items()}, directory)
     _env("stop", directory)

@@ -5,7 +5,8 @@
   as such and counts the chunk once however often it is read or probed (that the documented user deletes:
   test_remote_tier.py's damaged-chunk test);
 * an error reply of the store (NOPERM here; LOADING, CLUSTERDOWN, MASTERDOWN and BUSY take the same path) on
-  a part GET or the header GET is a counted miss ("unavailable"): not corruption, nothing deleted;
+  a part GET or the header GET is a counted miss ("unavailable"): not corruption, nothing deleted; so is one
+  in a lookup's probe pipeline;
 * a Cluster master that died and whose slots went to another master loses its breaker and gauge: health
   follows the current masters;
 * a record claiming more blocks than its namespace's chunks hold is a counted miss, never a hit in a lookup
@@ -122,6 +123,21 @@ def test_an_error_reply_on_the_header_is_a_counted_miss(redis_standalone, tiers,
     assert sample(metrics, "kvtier_remote_errors_total", {"op": "get"}) == 1
     assert b.corrupt == 0 and b.missing == 0
     assert read(a, meta) == data
+
+
+def test_an_error_reply_to_a_probe_is_a_counted_miss(redis_standalone, tiers, prefix, make_acl_user):
+    """A lookup's probe (a pipeline) whose header GETs answer NOPERM, as a Cluster's CLUSTERDOWN during a
+    failover: the chunk is a miss and the error replies are counted, not taken for absent keys silently."""
+    metrics = Metrics()
+    url = make_acl_user(redis_standalone, f"noprobe-{prefix}", keys=(f"{prefix}:*:a",))
+    a, b = tiers(redis_standalone), tiers(url, metrics=RemoteMetrics(metrics))
+    ns = os.urandom(16)
+    meta = new_meta(ns)
+    assert a.put(meta, os.urandom(meta.size))
+    assert answered(b, [[*meta.aliases, meta.key]], ns) == []
+    assert sample(metrics, "kvtier_remote_errors_total", {"op": "probe"}) >= 1
+    assert b.errors >= 1 and b.corrupt == 0
+    assert answered(tiers(redis_standalone), [[*meta.aliases, meta.key]], ns) == [(meta, meta.blocks)]
 
 
 # -- item 3: breakers of departed nodes -----------------------------------------------------------------
