@@ -37,6 +37,11 @@ parallel): while one is open, that node's reads are misses, its writes dropped a
 counted, and the maintenance thread PINGs it after `--remote-breaker-reset-s`; an answer closes it. The
 breakers of nodes that leave the Cluster's slot map go with it (health follows the current masters).
 
+Access (config.RemoteAccess): TLS with a private CA and a client certificate; a password file read every
+PASSWORD_CHECK_S, whose new password open clients take for their next authentication (one that never
+connected is replaced); reads from replicas, where a chunk a replica shows missing or damaged is read again
+from the primary before anything is deleted or counted (a replica may lag).
+
 Accounting (the tier contract's properties, cheap and non-blocking): `used_bytes` and `capacity_bytes` are
 the store's INFO used_memory and maxmemory summed over its masters (every node's data, not only this one's;
 refreshed every few seconds off the loop; capacity 0 = no limit), `entries` the chunks the presence cache
@@ -953,7 +958,7 @@ class RemoteTier(LowerTier):
         bandwidth with one part's SET and GET of a probe key, read INFO. Returns 0."""
         self._refresh()
         tag = os.urandom(16)
-        node, client = self._node_of(tag), self._client()
+        node, client = self._node_of(tag), self._client(primary=True)  # its GET follows its SET at once
         probe_key = f"{self.prefix}:probe:{{{tag.hex()}}}"
         data, back = os.urandom(PART_BYTES), memoryview(bytearray(PART_BYTES))
         try:
