@@ -478,7 +478,7 @@ class RemoteTier(LowerTier):
         if brk.open:
             self.rejected += 1
             self.m.rejected.labels(op).inc()
-            raise _Unavailable(node)
+            raise _Unavailable(f"{node}: its breaker is open")
         try:
             return brk.call(fn)
         except glide.TimeoutError:
@@ -489,7 +489,7 @@ class RemoteTier(LowerTier):
             if not _node_failure(exc):
                 raise  # the server's answer (out of memory, no permission, ...)
             self._error(op, node, exc)
-            raise _Unavailable(node) from None
+            raise _Unavailable(f"{node}: {str(exc).strip()}") from None  # why, for the logs (a refused handshake)
         except OpenedState:  # opened by another thread since `brk.open` was read
             self.rejected += 1
             self.m.rejected.labels(op).inc()

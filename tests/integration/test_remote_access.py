@@ -157,10 +157,10 @@ def test_tls_without_the_client_certificate_is_unavailable_and_l1_serves(redis_t
     port, tls = redis_tls
     node = kvtier_server(l1_gb=0.125, extra=[
         "--remote-url", f"rediss://127.0.0.1:{port}", "--remote-prefix", f"t{uuid.uuid4().hex[:10]}",
-        "--remote-tls-ca-file", str(tls.ca), "--remote-breaker-threshold", "1", "--remote-timeout-ms", "500"])
+        "--remote-tls-ca-file", str(tls.ca), "--remote-breaker-threshold", "2", "--remote-timeout-ms", "500"])
     wait_for(lambda: "did not answer at start-up" in node.log_text(), timeout=WAIT_S, what="the start-up warning")
     (line,) = [x for x in node.log_text().splitlines() if "did not answer at start-up" in x]
-    assert "--remote-tls-cert-file" in line  # one line, and it says where to look
+    assert "connect failed" in line and "--remote-tls-cert-file" in line  # one line: what, and where to look
     c = client(node.url)
     wait_for(lambda: remote_stats(c)["remote_breakers_open"], timeout=WAIT_S, what="the breaker open")
     stats = remote_stats(c)
@@ -207,6 +207,36 @@ def test_a_password_rotated_in_the_store_and_its_file_needs_no_restart(redis_ser
         read_remote(cb, prompt(seed, NS.chunk_size), blocks)
     for node in (a, b):
         assert "refused" not in node.log_text() and node.proc is not None and node.proc.poll() is None
+
+
+def test_a_node_started_with_a_stale_password_recovers_when_its_file_is_fixed(redis_server, make_acl_user,  # noqa: F811
+                                                                              kvtier_server, tmp_path):
+    """Its clients never connected (the store refused them), so they cannot take a new password: they are
+    replaced, and the same servers then write and read through the store."""
+    server = redis_server()
+    port = int(server.url.rsplit(":", 1)[1])
+    good = make_acl_user(server.url, "late").split("@")[0].rsplit(":", 1)[1]
+    secret = tmp_path / "password"
+    secret.write_text("an-old-password\n")
+    flags = ["--remote-url", f"redis://late@127.0.0.1:{port}", "--remote-password-file", str(secret),
+             "--remote-prefix", f"t{uuid.uuid4().hex[:10]}", "--remote-timeout-ms", "2000",
+             "--remote-breaker-reset-s", "0.5"]
+    a = kvtier_server(l1_gb=0.125, extra=flags)
+    b = kvtier_server(l1_gb=0.125, extra=flags, env={"PYTHONHASHSEED": "2"})
+    for node in (a, b):
+        (line,) = [x for x in node.log_text().splitlines() if "did not answer at start-up" in x]
+        assert "WRONGPASS" in line  # the store's reason, in kvtier's line
+    secret.write_text(good + "\n")
+    for node in (a, b):
+        wait_for(lambda node=node: "are replaced; the store accepts it" in node.log_text(), timeout=WAIT_S,
+                 what="the new password taken")
+    line = next(x for x in a.log_text().splitlines() if "remote password changed" in x)
+    assert " 0 are replaced" not in line  # the never-connected clients were replaced
+    ca, cb = client(a.url), client(b.url)
+    tokens = prompt(31, NS.chunk_size)
+    wait_for(lambda: not remote_stats(ca)["remote_breakers_open"], timeout=WAIT_S, what="the breaker closed")
+    store_and_wait(ca, tokens, 1)
+    read_remote(cb, tokens, NS.chunk_size // NS.block_size)
 
 
 # --------------------------------------------------------------------------- reads from a replica
