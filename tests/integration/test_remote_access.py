@@ -7,9 +7,11 @@
 * a password rotated without a restart: an ACL user's password changed in Redis (the old one removed) and in
   `--remote-password-file`, then every connection of that user killed: the same two kvtier servers keep
   writing and reading through the store;
+* a node started with a password the store refuses recovers when the file gets the right one;
 * reads from a replica (`--remote-read-from prefer_replica`, a standalone primary and a replica): a replica
   that lags (a part or header missing there, or other bytes there) never makes the tier delete or count a
-  healthy chunk: it is read from the primary; damage on the primary is still found and removed.
+  healthy chunk: it is read from the primary; damage on the primary is still found and removed; the same
+  through two kvtier servers.
 """
 
 from __future__ import annotations
@@ -299,3 +301,36 @@ def test_a_lagging_replica_never_makes_a_healthy_chunk_lost(redis_procs):
     finally:
         tier.close()
 
+
+
+def test_a_node_reading_from_a_lagging_replica_serves_every_chunk(redis_procs, kvtier_server):
+    """Two kvtier servers: A writes to the primary, B reads with --remote-read-from prefer_replica from a
+    replica that lacks a part of every chunk: B's lookups and reads still find every chunk (from the primary),
+    nothing is counted missing or corrupt, and nothing is deleted."""
+    primary = redis_procs()
+    replica = redis_procs("--replicaof", "127.0.0.1", str(primary), "--replica-read-only", "no")
+    wait_for(lambda: "master_link_status:up" in cli(replica, "INFO", "replication"), timeout=WAIT_S,
+             what="the replica in sync")
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    common = ["--remote-prefix", prefix, "--remote-timeout-ms", "2000"]
+    a = kvtier_server(l1_gb=0.125, extra=["--remote-url", f"redis://127.0.0.1:{primary}", *common])
+    b = kvtier_server(l1_gb=0.125, env={"PYTHONHASHSEED": "2"}, extra=[
+        "--remote-url", f"redis://127.0.0.1:{primary},127.0.0.1:{replica}", "--remote-read-from", "prefer_replica",
+        *common])
+    ca, cb = client(a.url), client(b.url)
+    prompts = [prompt(41 + i, NS.chunk_size) for i in range(3)]
+    for i, tokens in enumerate(prompts):
+        store_and_wait(ca, tokens, i + 1)
+    assert cli(primary, "WAIT", "1", "5000") == "1"
+    keys = int(cli(primary, "DBSIZE"))
+    parts = cli(replica, "--scan", "--pattern", f"{prefix}:*:1").split()  # chunks of 1.25 MiB: two parts
+    assert len(parts) == len(prompts)
+    cli(replica, "DEL", *parts)  # the replica lags: the second part of every chunk is not there yet
+
+    before = gets(replica)
+    for tokens in prompts:
+        read_remote(cb, tokens, NS.chunk_size // NS.block_size)
+    stats = remote_stats(cb)
+    assert gets(replica) > before  # the replica was asked (the probes and the first parts)
+    assert stats["remote_missing_chunks"] == 0 and stats["remote_corrupt_chunks"] == 0
+    assert int(cli(primary, "DBSIZE")) == keys  # nothing deleted
