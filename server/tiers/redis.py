@@ -454,18 +454,20 @@ class RemoteTier(LowerTier):
             except glide.GlideError:  # never connected: it would connect with the old password
                 replaced += 1
                 with self._lock:
-                    self._stale.add(id(client))
+                    if client in self._clients:  # not closed by its thread meanwhile
+                        self._stale.add(id(client))
         probe = self._connect(password, primary=True)
+        level, verdict = logging.INFO, "the store accepts it"
         try:
             probe.custom_command(["PING"])
-            verdict = "the store accepts it"
         except glide.GlideError as exc:
-            verdict = f"the store refused it ({str(exc).strip()}): reconnections fail until it accepts it"
+            level = logging.WARNING
+            verdict = f"the store did not accept it ({str(exc).strip()}): reconnections fail until it does"
         finally:
             with contextlib.suppress(glide.GlideError):
                 probe.close()
-        log.info("remote password changed in %s: %d open clients take it, %d are replaced; %s",
-                 self.access.password_file, len(clients) - replaced, replaced, verdict)
+        log.log(level, "remote password changed in %s: %d open clients take it, %d are replaced; %s",
+                self.access.password_file, len(clients) - replaced, replaced, verdict)
 
     def _timeout_ms(self, nbytes: int) -> int:
         bw = self._bw.bytes_per_s or ASSUMED_BYTES_PER_S
