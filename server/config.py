@@ -225,6 +225,11 @@ class RemoteAccess:
                 raise ValueError(f"{flag}: cannot read {path}")
         if self.password_file and not Path(self.password_file).read_text().rstrip("\r\n"):
             raise ValueError(f"--remote-password-file: {self.password_file} is empty")
+        for flag, path, what in (("--remote-tls-ca-file", self.tls_ca_file, "CERTIFICATE"),
+                                 ("--remote-tls-cert-file", self.tls_cert_file, "CERTIFICATE"),
+                                 ("--remote-tls-key-file", self.tls_key_file, "PRIVATE KEY")):
+            if path and f"{what}-----".encode() not in Path(path).read_bytes():
+                raise ValueError(f"{flag}: {path} holds no PEM {what.lower()}")
 
 
 def parse_remote_url(url: str) -> RemoteUrl:

@@ -1063,7 +1063,10 @@ class RemoteTier(LowerTier):
         while not self._stop.wait(TICK_S):
             if self.access.password_file and time.monotonic() - checked >= PASSWORD_CHECK_S:
                 checked = time.monotonic()
-                self._reload_password()
+                try:
+                    self._reload_password()
+                except Exception:  # the thread must survive it
+                    log.exception("remote password reload failed")
             for node, brk in list(self._breakers.items()):
                 if brk.open:
                     self._ping(node, brk)
