@@ -1,8 +1,8 @@
 """Operating the remote tier (docs/remote.md, "Operating Redis/Valkey") against real servers:
 
 * TLS with a private CA and client certificates: a CA, a server and a client certificate made with the
-  `openssl` CLI, a redis-server with `--tls-auth-clients yes` and no plain port; two kvtier servers as two
-  nodes round-trip chunks through it; without the client certificate the tier is unavailable (a log line
+  `openssl` CLI, a redis-server (and a three-master Cluster) with `--tls-auth-clients yes` and no plain port;
+  two kvtier servers as two nodes round-trip chunks through it; without the client certificate the tier is unavailable (a log line
   naming the TLS flags, the breaker open) while the node serves L1;
 * a password rotated without a restart: an ACL user's password changed in Redis (the old one removed) and in
   `--remote-password-file`, then every connection of that user killed: the same two kvtier servers keep
@@ -53,13 +53,13 @@ def _openssl(*args: str | Path, cwd: Path) -> None:
 
 
 def make_tls_files(directory: Path) -> TlsFiles:
-    """A private CA (P-256) and two certificates it signs: the server's (for 127.0.0.1 and localhost) and a
-    client's (clientAuth)."""
+    """A private CA (P-256) and two certificates it signs: the server's (for 127.0.0.1 and localhost; also a
+    client's, for a Cluster's TLS bus) and a client's (clientAuth)."""
     directory.mkdir(parents=True, exist_ok=True)
     ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
     _openssl("req", "-x509", "-new", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
              "-subj", "/CN=kvtier-test-ca", cwd=directory)
-    extensions = {"server": "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+    extensions = {"server": "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n",
                   "client": "extendedKeyUsage=clientAuth\n"}
     for who, ext in extensions.items():
         (directory / f"{who}.ext").write_text(ext)
@@ -84,15 +84,17 @@ def cli(port: int, *args: str, tls: TlsFiles | None = None) -> str:
 @pytest.fixture
 def redis_procs(tmp_path: Path) -> Iterator[Callable[..., int]]:
     """start(*args) -> port: a redis-server (or `binary`) of this test's own (no persistence, loopback),
-    answering PING (over TLS when `tls` is given); all stopped at the end."""
+    answering PING (over TLS when `tls` is given); "{port}" in `args` stands for its port; all stopped at the
+    end."""
     procs: list[subprocess.Popen] = []
 
-    def start(*args: str, tls: TlsFiles | None = None, binary: str = "redis-server") -> int:
-        (port,) = free_ports(1)
+    def start(*args: str, tls: TlsFiles | None = None, binary: str = "redis-server", bus: bool = False) -> int:
+        (port,) = free_ports(1, bus=bus)
         ports = ["--port", "0", "--tls-port", str(port)] if tls else ["--port", str(port)]
         log = tmp_path / f"redis-{port}.log"
         procs.append(subprocess.Popen([binary, "--bind", "127.0.0.1", *ports, "--save", "", "--appendonly",
-                                       "no", "--dir", str(tmp_path), "--logfile", str(log), *args]))
+                                       "no", "--dir", str(tmp_path), "--logfile", str(log),
+                                       *(a.replace("{port}", str(port)) for a in args)]))
         wait_for(lambda: _pings(port, tls), timeout=10, what=f"redis-server on {port}")
         return port
 
@@ -132,27 +134,54 @@ def read_remote(c, tokens: np.ndarray, blocks: int) -> None:  # type: ignore[no-
 # --------------------------------------------------------------------------- TLS
 
 
+def tls_servers(redis_procs, tls: TlsFiles, n: int = 1, *extra: str) -> list[int]:
+    """`n` redis-servers that only speak TLS and require a client certificate."""
+    return [redis_procs("--tls-cert-file", str(tls.server_cert), "--tls-key-file", str(tls.server_key),
+                        "--tls-ca-cert-file", str(tls.ca), "--tls-auth-clients", "yes", *extra, tls=tls, bus=n > 1)
+            for _ in range(n)]
+
+
 @pytest.fixture
 def redis_tls(tmp_path: Path, redis_procs) -> tuple[int, TlsFiles]:
     tls = make_tls_files(tmp_path / "tls")
-    port = redis_procs("--tls-cert-file", str(tls.server_cert), "--tls-key-file", str(tls.server_key),
-                       "--tls-ca-cert-file", str(tls.ca), "--tls-auth-clients", "yes", tls=tls)
+    (port,) = tls_servers(redis_procs, tls)
     return port, tls
 
 
-def test_tls_with_a_private_ca_and_a_client_certificate(redis_tls, kvtier_server):
-    port, tls = redis_tls
-    prefix = f"t{uuid.uuid4().hex[:10]}"
-    flags = ["--remote-url", f"rediss://127.0.0.1:{port}", "--remote-prefix", prefix, "--remote-timeout-ms", "2000",
+@pytest.fixture
+def redis_tls_cluster(tmp_path: Path, redis_procs) -> tuple[list[int], TlsFiles]:
+    """Three masters whose clients and Cluster bus all speak TLS."""
+    tls = make_tls_files(tmp_path / "tls")
+    ports = tls_servers(redis_procs, tls, 3, "--tls-cluster", "yes", "--cluster-enabled", "yes",
+                        "--cluster-node-timeout", "5000", "--cluster-config-file", "nodes-{port}.conf")
+    cli(ports[0], "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0",
+        "--cluster-yes", tls=tls)
+    for port in ports:
+        wait_for(lambda port=port: "cluster_state:ok" in cli(port, "CLUSTER", "INFO", tls=tls), timeout=WAIT_S,
+                 what="the TLS Cluster ok")
+    return ports, tls
+
+
+@pytest.mark.parametrize("store", ["standalone", "cluster"])
+def test_tls_with_a_private_ca_and_a_client_certificate(store, request, kvtier_server):
+    if store == "cluster":
+        ports, tls = request.getfixturevalue("redis_tls_cluster")
+        url = "rediss+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+    else:
+        port, tls = request.getfixturevalue("redis_tls")
+        ports, url = [port], f"rediss://127.0.0.1:{port}"
+    flags = ["--remote-url", url, "--remote-prefix", f"t{uuid.uuid4().hex[:10]}", "--remote-timeout-ms", "2000",
              "--remote-tls-ca-file", str(tls.ca), "--remote-tls-cert-file", str(tls.client_cert),
              "--remote-tls-key-file", str(tls.client_key)]
     a = kvtier_server(l1_gb=0.125, extra=flags)
     b = kvtier_server(l1_gb=0.125, extra=flags, env={"PYTHONHASHSEED": "2"})
-    tokens = prompt(11, 2 * NS.chunk_size)
+    prompts = [prompt(11 + i, 2 * NS.chunk_size) for i in range(4)]  # 8 chunks: every master has some
     ca, cb = client(a.url), client(b.url)
-    store_and_wait(ca, tokens, 2)
-    read_remote(cb, tokens, 2 * NS.chunk_size // NS.block_size)
-    assert int(cli(port, "DBSIZE", tls=tls)) > 0
+    for i, tokens in enumerate(prompts):
+        store_and_wait(ca, tokens, 2 * (i + 1))
+    for tokens in prompts:
+        read_remote(cb, tokens, 2 * NS.chunk_size // NS.block_size)
+    assert all(int(cli(port, "DBSIZE", tls=tls)) > 0 for port in ports)
     assert "did not answer" not in a.log_text() + b.log_text()
 
 
