@@ -2,8 +2,8 @@
 
 * TLS with a private CA and client certificates: a CA, a server and a client certificate made with the
   `openssl` CLI, a redis-server (and a three-master Cluster) with `--tls-auth-clients yes` and no plain port;
-  two kvtier servers as two nodes round-trip chunks through it; without the client certificate the tier is unavailable (a log line
-  naming the TLS flags, the breaker open) while the node serves L1;
+  two kvtier servers as two nodes round-trip chunks through it; without the client certificate the tier is
+  unavailable (a log line naming the TLS flags, the breaker open) while the node serves L1;
 * a password rotated without a restart: an ACL user's password changed in Redis (the old one removed) and in
   `--remote-password-file`, then every connection of that user killed: the same two kvtier servers keep
   writing and reading through the store;

@@ -167,6 +167,7 @@ def test_remote_access_settings_reach_the_tier(tmp_path):
     (tmp_path / "pw").write_text("secret\n")
     (tmp_path / "ca").write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
     c = load(["--remote-url", "rediss://u@h:1,h:2", "--remote-read-from", "prefer_replica"],
-             env={"KVTIER_REMOTE_PASSWORD_FILE": str(tmp_path / "pw"), "KVTIER_REMOTE_TLS_CA_FILE": str(tmp_path / "ca")})
+             env={"KVTIER_REMOTE_PASSWORD_FILE": str(tmp_path / "pw"),
+                  "KVTIER_REMOTE_TLS_CA_FILE": str(tmp_path / "ca")})
     assert c.remote_access == cfg.RemoteAccess(tls_ca_file=str(tmp_path / "ca"), password_file=str(tmp_path / "pw"),
                                                read_from="prefer_replica")
