@@ -11,6 +11,7 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -18,6 +19,7 @@ from kvtier.server.eviction import DEFAULT_POLICY, POLICIES
 from kvtier.shm.segment import tmpfs_options
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+READ_FROM = ("primary", "prefer_replica", "az_affinity")  # --remote-read-from: glide's ReadFrom of the same name
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -71,6 +73,20 @@ class ServerConfig:
                                             "that open its circuit breaker")
     remote_breaker_reset_s: float = _opt(5.0, "seconds an open breaker waits before a PING probes its node; while "
                                               "open, the node's reads are misses and its writes are dropped")
+    remote_tls_ca_file: str = _opt("", "PEM file of the CA certificates that sign the remote store's certificate "
+                                       "(rediss:// only; empty: the system's CAs)")
+    remote_tls_cert_file: str = _opt("", "PEM client certificate presented to the remote store (rediss:// only, "
+                                         "for a store with tls-auth-clients; with --remote-tls-key-file)")
+    remote_tls_key_file: str = _opt("", "PEM private key of --remote-tls-cert-file")
+    remote_password_file: str = _opt("", "file holding the remote store's password (e.g. a mounted Kubernetes "
+                                         "Secret), instead of one in --remote-url: read again when it changes and "
+                                         "given to every open connection, without a restart")
+    remote_read_from: str = _opt("primary", "where the remote tier reads chunks: a replica's reads that find a "
+                                            "chunk missing or damaged are confirmed on the primary (a replica "
+                                            "may lag); writes and deletes always go to the primary",
+                                 choices=list(READ_FROM))
+    remote_az: str = _opt("", "this node's availability zone, for --remote-read-from az_affinity (replicas in "
+                              "this zone first)")
     gpu_pin_piece_mb: int = _opt(256, "GPU engines: L1 is page-locked (cudaHostRegister) in pieces of this many "
                                       "MiB; no DMA entry crosses a piece")
     gpu_op_timeout_s: float = _opt(10.0, "GPU engines: seconds a copy may take (event wait included) before its "
@@ -144,6 +160,12 @@ class ServerConfig:
                              "positive")
         if self.remote_breaker_threshold < 1 or self.remote_breaker_reset_s <= 0:
             raise ValueError("--remote-breaker-threshold must be at least 1 and --remote-breaker-reset-s positive")
+        self.remote_access.validate(parse_remote_url(self.remote_url))
+
+    @property
+    def remote_access(self) -> RemoteAccess:
+        return RemoteAccess(self.remote_tls_ca_file, self.remote_tls_cert_file, self.remote_tls_key_file,
+                            self.remote_password_file, self.remote_read_from, self.remote_az)
 
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -154,7 +176,8 @@ DEFAULT_REDIS_PORT = 6379
 
 @dataclass(frozen=True)
 class RemoteUrl:
-    """A parsed --remote-url: the nodes to connect to (a Cluster's are seeds), TLS, credentials, database."""
+    """A parsed --remote-url: the nodes to connect to (a Cluster's are seeds; a standalone primary and its
+    replicas with --remote-read-from), TLS, credentials, database."""
 
     nodes: tuple[tuple[str, int], ...]
     tls: bool = False
@@ -171,6 +194,47 @@ class RemoteUrl:
         return f"{scheme}://{user}{hosts}" + (f"/{self.db}" if self.db else "")
 
 
+@dataclass(frozen=True)
+class RemoteAccess:
+    """How the remote tier reaches its store beyond the URL: TLS files, a password file, where reads go."""
+
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    password_file: str = ""
+    read_from: str = "primary"
+    az: str = ""
+
+    def validate(self, url: RemoteUrl) -> None:
+        """ValueError naming the flag when these settings do not fit `url` or a file cannot be read."""
+        if (self.tls_ca_file or self.tls_cert_file or self.tls_key_file) and not url.tls:
+            raise ValueError("--remote-tls-* files need a TLS URL: rediss:// or rediss+cluster://")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("--remote-tls-cert-file and --remote-tls-key-file go together")
+        if self.password_file and url.password:
+            raise ValueError("--remote-password-file replaces the password in --remote-url: give only one")
+        if self.read_from not in READ_FROM:
+            raise ValueError(f"--remote-read-from must be one of {', '.join(READ_FROM)}")
+        if not url.cluster and len(url.nodes) > 1 and self.read_from == "primary":
+            raise ValueError("--remote-url names several hosts: use redis+cluster:// (or rediss+cluster://) for a "
+                             "Cluster; a standalone primary and its replicas go with --remote-read-from "
+                             "prefer_replica or az_affinity")
+        if (self.read_from == "az_affinity") != bool(self.az):
+            raise ValueError("--remote-az goes with --remote-read-from az_affinity (and it needs one)")
+        for flag, path in (("--remote-tls-ca-file", self.tls_ca_file), ("--remote-tls-cert-file", self.tls_cert_file),
+                           ("--remote-tls-key-file", self.tls_key_file),
+                           ("--remote-password-file", self.password_file)):
+            if path and not os.access(path, os.R_OK):
+                raise ValueError(f"{flag}: cannot read {path}")
+        if self.password_file and not Path(self.password_file).read_text().rstrip("\r\n"):
+            raise ValueError(f"--remote-password-file: {self.password_file} is empty")
+        for flag, path, what in (("--remote-tls-ca-file", self.tls_ca_file, "CERTIFICATE"),
+                                 ("--remote-tls-cert-file", self.tls_cert_file, "CERTIFICATE"),
+                                 ("--remote-tls-key-file", self.tls_key_file, "PRIVATE KEY")):
+            if path and f"{what}-----".encode() not in Path(path).read_bytes():
+                raise ValueError(f"{flag}: {path} holds no PEM {what.lower()}")
+
+
 def parse_remote_url(url: str) -> RemoteUrl:
     """--remote-url's value; ValueError (never showing the password) when it is not one of the documented forms."""
     scheme, sep, rest = url.partition("://")
@@ -181,8 +245,6 @@ def parse_remote_url(url: str) -> RemoteUrl:
     hosts, _, db_text = rest.partition("/")
     username, _, password = userinfo.partition(":")
     nodes = tuple(_host_port(h) for h in hosts.split(","))
-    if not cluster and len(nodes) > 1:
-        raise ValueError("--remote-url names several hosts: use redis+cluster:// (or rediss+cluster://) for a Cluster")
     if (db_text and not db_text.isdigit()) or (cluster and db_text.strip("0")):
         raise ValueError("--remote-url: the database (after /) must be a non-negative integer, and 0 for a Cluster")
     db = int(db_text) if db_text else 0

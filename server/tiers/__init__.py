@@ -42,6 +42,6 @@ def make_tiers(config: ServerConfig, store: L1Store, segment: np.ndarray, metric
         rm = RemoteMetrics(metrics)
         remote = RemoteTier(config.remote_url, config.remote_prefix, config.remote_ttl_s, config.remote_timeout_ms,
                             config.remote_breaker_threshold, config.remote_breaker_reset_s, rm,
-                            connect_timeout_ms=config.remote_connect_timeout_ms)
+                            connect_timeout_ms=config.remote_connect_timeout_ms, access=config.remote_access)
         tiers.append(AttachedTier(store, segment, remote, config.remote_queue_depth, metrics, rm))
     return tiers

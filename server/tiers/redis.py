@@ -42,6 +42,11 @@ its lookups misses, all counted, and the maintenance thread PINGs it after `--re
 answer closes it. The breakers of nodes that leave the Cluster's slot map go with it (health follows the
 current masters).
 
+Access (config.RemoteAccess): TLS with a private CA and a client certificate; a password file read every
+PASSWORD_CHECK_S, whose new password open clients take for their next authentication (one that never
+connected is replaced); reads from replicas, where a chunk a replica shows missing or damaged is read again
+from the primary before anything is deleted or counted (a replica may lag).
+
 Accounting (the tier contract's properties, cheap and non-blocking): `used_bytes` and `capacity_bytes` are
 the store's INFO used_memory and maxmemory summed over its masters (every node's data, not only this one's;
 refreshed every few seconds off the loop; capacity 0 = no limit), `entries` the chunks the presence cache
@@ -63,10 +68,11 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import glide_sync as glide
-from kvtier.server.config import RemoteUrl, parse_remote_url
+from kvtier.server.config import RemoteAccess, RemoteUrl, parse_remote_url
 from kvtier.server.metrics import Metrics, RemoteMetrics
 from kvtier.server.tiers.bandwidth import BandwidthMeter
 from kvtier.server.tiers.base import Cleared, LowerTier
@@ -101,8 +107,15 @@ TOUCH_MAX = 100_000  # keys waiting for their TTL refresh (sent every TICK_S); m
 TOUCH_BATCH = 1000  # PEXPIREs per pipeline
 TICK_S = 0.25  # maintenance thread: how often open breakers are looked at
 INFO_REFRESH_S = 5.0  # ... and how often INFO (used_memory, maxmemory), the slot map and the RTT are refreshed
+PASSWORD_CHECK_S = 1.0  # ... and how often --remote-password-file is read for a new password
 SCAN_COUNT = 1000
 CLUSTER_SLOTS = 16384
+
+_READ_FROM = {"primary": glide.ReadFrom.PRIMARY, "prefer_replica": glide.ReadFrom.PREFER_REPLICA,
+              "az_affinity": glide.ReadFrom.AZ_AFFINITY}  # --remote-read-from's choices (config.READ_FROM)
+
+_TLS_HINT = (" (TLS: a store that refuses the handshake looks like one that does not answer; check "
+             "--remote-tls-ca-file, --remote-tls-cert-file and --remote-tls-key-file)")
 
 # Failures of a node (they trip its breaker); other errors are answers (a server error, a bad value).
 _NODE_FAILURES = (glide.TimeoutError, glide.ConnectionError, glide.ClosingError)
@@ -277,8 +290,15 @@ class RemoteTier(LowerTier):
 
     def __init__(self, url: str, prefix: str = "kvtier", ttl_s: float = 86400.0, timeout_ms: int = 200,
                  breaker_threshold: int = 5, breaker_reset_s: float = 5.0,
-                 metrics: RemoteMetrics | None = None, connect_timeout_ms: int = 5000) -> None:
+                 metrics: RemoteMetrics | None = None, connect_timeout_ms: int = 5000,
+                 access: RemoteAccess | None = None) -> None:
         self.url: RemoteUrl = parse_remote_url(url)
+        self.access = access if access is not None else RemoteAccess()
+        self.access.validate(self.url)
+        self._ca = Path(self.access.tls_ca_file).read_bytes() if self.access.tls_ca_file else None
+        self._password = self._read_password() if self.access.password_file else self.url.password
+        self._stale: set[int] = set()  # ids of clients to replace (a new password they could not take)
+        self._password_error = ""  # the last reason the password file could not be read (logged once)
         self.path = self.url.redacted()  # where the tier is, for logs and status (no password)
         self.prefix = prefix
         self.ttl_ms = round(ttl_s * 1000)
@@ -386,40 +406,103 @@ class RemoteTier(LowerTier):
     def _available(self, node: str) -> bool:
         return not self._breaker(node).open
 
-    def _client(self, resize: bool = False) -> Any:
-        """This thread's client. `resize` (only where no caller up the stack holds it: put, get): made anew
-        when its request timeout is RESIZE_FACTOR off the one the measured bandwidth now sizes for a part."""
-        client = getattr(self._local, "client", None)
-        if client is not None and resize:
-            made, sized = self._local.timeout_ms, self._timeout_ms(PART_BYTES)
-            if not made / RESIZE_FACTOR <= sized <= made * RESIZE_FACTOR:
+    def _client(self, primary: bool = False, resize: bool = False) -> Any:
+        """This thread's client; `primary`: one whose reads go to the primary (the same client unless
+        --remote-read-from sends reads to replicas). Closed and replaced: a client marked stale (a new password
+        it could not take), and with `resize` (only where no caller up the stack holds it: put, get) one whose
+        request timeout is RESIZE_FACTOR off the one the measured bandwidth now sizes for a part."""
+        attr = "primary" if primary and self.access.read_from != "primary" else "client"
+        client = getattr(self._local, attr, None)
+        if client is not None:
+            made, sized = getattr(self._local, f"{attr}_timeout_ms"), self._timeout_ms(PART_BYTES)
+            off = resize and not made / RESIZE_FACTOR <= sized <= made * RESIZE_FACTOR
+            if off or id(client) in self._stale:
                 with self._lock:
+                    self._stale.discard(id(client))
                     self._clients.remove(client)
                 with contextlib.suppress(glide.GlideError):
                     client.close()
                 client = None
         if client is None:
-            self._local.timeout_ms = self._timeout_ms(PART_BYTES)
-            client = self._local.client = self._connect()
+            password = self._password
+            setattr(self._local, f"{attr}_timeout_ms", self._timeout_ms(PART_BYTES))
+            client = self._connect(password, primary=attr == "primary")
+            setattr(self._local, attr, client)
             with self._lock:
                 self._clients.append(client)
+                if password != self._password:  # a new password came meanwhile, after the clients were told
+                    self._stale.add(id(client))
         return client
 
-    def _connect(self) -> Any:
-        """A client of this thread; its request timeout sized from the bandwidth measured so far."""
-        u = self.url
+    def _connect(self, password: str, primary: bool = False) -> Any:
+        """A client (lazy: it connects at its first call) whose request timeout is sized from the bandwidth
+        measured so far; `primary`: its reads go to the primary whatever --remote-read-from says."""
+        u, a = self.url, self.access
         addresses = [glide.NodeAddress(h, p) for h, p in u.nodes]
-        creds = glide.ServerCredentials(u.password, u.username or None) if u.password else None
+        creds = glide.ServerCredentials(password, u.username or None) if password else None
         timeout = self._timeout_ms(PART_BYTES)
         connect = max(timeout, self.connect_timeout_ms)
-        common = dict(use_tls=u.tls, credentials=creds, request_timeout=timeout, lazy_connect=True)
+        tls = glide.TlsAdvancedConfiguration(root_pem_cacerts=self._ca, client_cert_path=a.tls_cert_file or None,
+                                             client_key_path=a.tls_key_file or None) if u.tls else None
+        common = dict(use_tls=u.tls, credentials=creds, request_timeout=timeout, lazy_connect=True,
+                      read_from=_READ_FROM["primary" if primary else a.read_from], client_az=a.az or None)
         if u.cluster:
             return glide.GlideClusterClient.create(glide.GlideClusterClientConfiguration(
-                addresses, advanced_config=glide.AdvancedGlideClusterClientConfiguration(connection_timeout=connect),
-                **common))
+                addresses, advanced_config=glide.AdvancedGlideClusterClientConfiguration(
+                    connection_timeout=connect, tls_config=tls), **common))
         return glide.GlideClient.create(glide.GlideClientConfiguration(
-            addresses, database_id=u.db or None,
-            advanced_config=glide.AdvancedGlideClientConfiguration(connection_timeout=connect), **common))
+            addresses, database_id=u.db or None, advanced_config=glide.AdvancedGlideClientConfiguration(
+                connection_timeout=connect, tls_config=tls), **common))
+
+    def _read_password(self) -> str:
+        """--remote-password-file's content less its trailing newline; ValueError when unreadable or empty."""
+        try:
+            password = Path(self.access.password_file).read_text().rstrip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--remote-password-file: {exc}") from None
+        if not password:
+            raise ValueError(f"--remote-password-file: {self.access.password_file} is empty")
+        return password
+
+    def _reload_password(self) -> None:
+        """Maintenance thread: when --remote-password-file holds a new password, new clients use it and every
+        open client takes it for its next authentication (its connections stay authenticated); a client that
+        never connected cannot take it and is replaced at its thread's next call. One log line says whether
+        the store accepts it (a fresh connection's PING)."""
+        try:
+            password = self._read_password()
+        except ValueError as exc:
+            if str(exc) != self._password_error:  # logged once per error, not every second
+                log.warning("remote password not reloaded: %s", exc)
+            self._password_error = str(exc)
+            return
+        self._password_error = ""
+        if password == self._password:
+            return
+        with self._lock:
+            self._password = password
+            clients = list(self._clients)
+        replaced = 0
+        for client in clients:
+            try:
+                client.update_connection_password(password, immediate_auth=False)
+            except glide.GlideError:  # never connected: it would connect with the old password
+                replaced += 1
+                with self._lock:
+                    if client in self._clients:  # not closed by its thread meanwhile
+                        self._stale.add(id(client))
+        probe = self._connect(password, primary=True)
+        level, verdict = logging.INFO, "the store accepts it"
+        try:
+            probe.custom_command(["PING"])
+        except glide.GlideError as exc:
+            level = logging.WARNING
+            verdict = f"the store did not accept it ({str(exc).strip()}): reconnections fail until it does"
+        finally:
+            with contextlib.suppress(glide.GlideError):
+                probe.close()
+        log.log(level, "remote password changed in %s: %d open clients take it, %d are replaced; %s",
+                self.access.password_file, len(clients) - replaced, replaced, verdict)
 
     def _timeout_ms(self, nbytes: int) -> int:
         bw = self._bw.bytes_per_s or ASSUMED_BYTES_PER_S
@@ -432,7 +515,7 @@ class RemoteTier(LowerTier):
         if brk.open:
             self.rejected += 1
             self.m.rejected.labels(op).inc()
-            raise _Unavailable(node)
+            raise _Unavailable(f"{node}: its breaker is open")
         try:
             return brk.call(fn)
         except glide.TimeoutError:
@@ -443,7 +526,7 @@ class RemoteTier(LowerTier):
             if not _node_failure(exc):
                 raise  # the server's answer (out of memory, no permission, ...)
             self._error(op, node, exc)
-            raise _Unavailable(node) from None
+            raise _Unavailable(f"{node}: {str(exc).strip()}") from None  # why, for the logs (a refused handshake)
         except OpenedState:  # opened by another thread since `brk.open` was read
             self.rejected += 1
             self.m.rejected.labels(op).inc()
@@ -623,7 +706,7 @@ class RemoteTier(LowerTier):
         stays; one written between the GET and the UNLINK, after another delete, goes too: a miss, never
         wrong bytes), and that generation's parts (`size` bytes of them; 0: not known, they expire). None
         when done, else why not (counted in kvtier_remote_delete_failures)."""
-        node, client = self._node_of(key), self._client()
+        node, client = self._node_of(key), self._client(primary=True)  # a replica's header may be an old one
         hkey = self._key(ns, key, "h")
         keys = [self._part_key(ns, key, header[:GEN_BYTES], i) for i in range(-(-size // PART_BYTES))]
         try:
@@ -638,18 +721,22 @@ class RemoteTier(LowerTier):
 
     # -- reads -----------------------------------------------------------------------------------
 
-    def get(self, meta: ChunkMeta, bufs: Sequence[memoryview]) -> bool:
-        node, client = self._node_of(meta.key), self._client(resize=True)
+    def get(self, meta: ChunkMeta, bufs: Sequence[memoryview], primary: bool = False) -> bool:
+        """Read and verify chunk `meta` into `bufs`. With --remote-read-from on replicas, a chunk a replica
+        shows missing or damaged is read again from the primary (`primary`), whose verdict is final: a replica
+        may lag behind, so nothing is deleted or counted on its word."""
+        primary = primary or self.access.read_from == "primary"
+        node, client = self._node_of(meta.key), self._client(primary, resize=True)
         hkey = self._key(meta.ns, meta.key, "h")
         start = time.perf_counter()
         try:
             header = self._call(node, "get", lambda: client.get(hkey))
             if header is None:
-                return self._lost(meta, None, "missing")
+                return self._lost(meta, None, "missing") if primary else self.get(meta, bufs, primary=True)
             try:
                 stored, fields, checksum = decode_header(header[GEN_BYTES:])
             except CorruptChunk:
-                return self._lost(meta, header, "corrupt")
+                return self._lost(meta, header, "corrupt") if primary else self.get(meta, bufs, primary=True)
             if stored != meta or self._is_bad(meta.key, header):  # not this chunk (a stale lookup), or known bad
                 self._presence.drop(meta, time.monotonic())
                 return False
@@ -660,7 +747,7 @@ class RemoteTier(LowerTier):
             self._error("get", node, exc)  # the store is unavailable, the chunk not known bad: nothing deleted
             return False
         if why is not None:
-            return self._lost(meta, header, why)
+            return self._lost(meta, header, why) if primary else self.get(meta, bufs, primary=True)
         self._bw.add(meta.size, start, time.perf_counter())
         self._touch(node, meta, header[:GEN_BYTES])
         return True
@@ -951,7 +1038,7 @@ class RemoteTier(LowerTier):
         self._presence.drop(meta, time.monotonic())
 
         def delete() -> None:
-            node, client = self._node_of(key), self._client()
+            node, client = self._node_of(key), self._client(primary=True)
             try:
                 header = self._call(node, "put", lambda: client.get(self._key(meta.ns, key, "h")))
             except (_Unavailable, glide.RequestError):
@@ -1011,7 +1098,7 @@ class RemoteTier(LowerTier):
         self._refresh()
         self._warn_unbounded()
         tag = os.urandom(16)
-        node, client = self._node_of(tag), self._client()
+        node, client = self._node_of(tag), self._client(primary=True)  # its GET follows its SET at once
         probe_key = f"{self.prefix}:probe:{{{tag.hex()}}}"
         data, back = os.urandom(PART_BYTES), memoryview(bytearray(PART_BYTES))
         try:
@@ -1027,7 +1114,7 @@ class RemoteTier(LowerTier):
                 self._filled(node)
                 return 0
             log.warning("remote store %s did not answer at start-up (%s): lookups miss and writes drop until "
-                        "it does", self.path, exc or "unavailable")
+                        "it does%s", self.path, str(exc).strip() or "unavailable", _TLS_HINT if self.url.tls else "")
             return 0
         self._bw.add(PART_BYTES, t0, t1)
         self._bw.add(PART_BYTES, t1, t2)
@@ -1127,14 +1214,20 @@ class RemoteTier(LowerTier):
 
     def _run_maintenance(self) -> None:
         """PING the nodes of open breakers once their reset time passed (an answer closes them); every
-        INFO_REFRESH_S, refresh the slot map, the RTT and INFO."""
-        last = time.monotonic()
+        INFO_REFRESH_S, refresh the slot map, the RTT and INFO; every PASSWORD_CHECK_S, read the password file."""
+        last = checked = time.monotonic()
         while not self._stop.wait(TICK_S):
             if self._touches:
                 try:
                     self._send_touches()
                 except Exception:
                     log.exception("remote TTL refresh failed")
+            if self.access.password_file and time.monotonic() - checked >= PASSWORD_CHECK_S:
+                checked = time.monotonic()
+                try:
+                    self._reload_password()
+                except Exception:  # the thread must survive it
+                    log.exception("remote password reload failed")
             for node, brk in list(self._breakers.items()):
                 if brk.open:
                     self._ping(node, brk)

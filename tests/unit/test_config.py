@@ -138,3 +138,36 @@ def test_cli_reports_config_errors_with_exit_code_2(capsys):
 
     assert cli.main(["server", "--host", "0.0.0.0", "--http-port", "0"]) == 2
     assert "admin-token" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--remote-tls-ca-file", "{file}"], "need a TLS URL"),
+    (["--remote-url", "rediss://h:1", "--remote-tls-cert-file", "{file}"], "go together"),
+    (["--remote-url", "rediss://h:1", "--remote-tls-ca-file", "{missing}"], "--remote-tls-ca-file: cannot read"),
+    (["--remote-url", "rediss://h:1", "--remote-tls-ca-file", "{file}"], "--remote-tls-ca-file: .* no PEM cert"),
+    (["--remote-url", "rediss://h:1", "--remote-tls-cert-file", "{pem}", "--remote-tls-key-file", "{pem}"],
+     "--remote-tls-key-file: .* no PEM private key"),
+    (["--remote-url", "redis://u:pw@h:1", "--remote-password-file", "{file}"], "give only one"),
+    (["--remote-password-file", "{empty}"], "is empty"),
+    (["--remote-url", "redis://h:1,h:2"], "several hosts"),
+    (["--remote-read-from", "az_affinity"], "--remote-az"),
+    (["--remote-az", "use1-az1"], "--remote-az"),
+])
+def test_remote_access_settings_are_checked(tmp_path, extra, message):
+    (tmp_path / "f").write_text("secret\n")
+    (tmp_path / "e").write_text("\n")
+    (tmp_path / "c").write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    files = {"file": tmp_path / "f", "empty": tmp_path / "e", "missing": tmp_path / "nope", "pem": tmp_path / "c"}
+    argv = ["--remote-url", "redis://h:1", *(a.format(**files) for a in extra)]
+    with pytest.raises(ValueError, match=message):
+        load(argv)
+
+
+def test_remote_access_settings_reach_the_tier(tmp_path):
+    (tmp_path / "pw").write_text("secret\n")
+    (tmp_path / "ca").write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    c = load(["--remote-url", "rediss://u@h:1,h:2", "--remote-read-from", "prefer_replica"],
+             env={"KVTIER_REMOTE_PASSWORD_FILE": str(tmp_path / "pw"),
+                  "KVTIER_REMOTE_TLS_CA_FILE": str(tmp_path / "ca")})
+    assert c.remote_access == cfg.RemoteAccess(tls_ca_file=str(tmp_path / "ca"), password_file=str(tmp_path / "pw"),
+                                               read_from="prefer_replica")

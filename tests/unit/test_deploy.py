@@ -13,16 +13,19 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
 import pytest
+from kvtier.server import config as server_config
 
 pytestmark = pytest.mark.unit
 
@@ -221,6 +224,33 @@ def _check_wiring(ds: dict, deploy: dict) -> None:
         assert _mem_gib(res["limits"]["memory"]) >= _mem_gib(res["requests"]["memory"]), c["name"]
     assert ds_spec["nodeSelector"] == vllm_spec["nodeSelector"]
     assert ds["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == env["KVTIER_HTTP_PORT"]
+    _check_remote_secret(ds_spec, kvtier)
+
+
+def _check_remote_secret(spec: dict, kvtier: dict) -> None:
+    """The remote tier's URL comes from a Secret (optional: no Secret, no remote tier) and its password is a file
+    of the same Secret, mounted as a directory (a subPath mount is never updated: no rotation), readable by the
+    container's uid only through the pod's fsGroup; kvtier accepts the pair as its configuration."""
+    (url_ref,) = [e["valueFrom"]["secretKeyRef"] for e in kvtier["env"] if e["name"] == "KVTIER_REMOTE_URL"]
+    assert url_ref["optional"] is True
+    (secret,) = [s for s in _by_kind("Secret") if s["metadata"]["name"] == url_ref["name"]]
+    password_file = _env(kvtier)["KVTIER_REMOTE_PASSWORD_FILE"]
+    (mount,) = [m for m in kvtier["volumeMounts"] if m["mountPath"] == os.path.dirname(password_file)]
+    assert mount.get("readOnly") is True and "subPath" not in mount
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == url_ref["name"] and volume["secret"]["optional"] is True
+    (item,) = volume["secret"]["items"]
+    assert item["path"] == os.path.basename(password_file)
+    assert volume["secret"]["defaultMode"] & 0o007 == 0  # not world-readable
+    assert spec["securityContext"]["fsGroup"] == kvtier["securityContext"]["runAsGroup"]
+    values = secret["stringData"]
+    assert {url_ref["key"], item["key"]} <= set(values)
+    with tempfile.TemporaryDirectory() as tmp:  # what the pod's kvtier sees: it must start with it
+        local = Path(tmp) / "password"
+        local.write_text(values[item["key"]])
+        config = server_config.from_args(argparse.Namespace(), environ={
+            "KVTIER_REMOTE_URL": values[url_ref["key"]], "KVTIER_REMOTE_PASSWORD_FILE": str(local)})
+    assert config.remote_access.password_file == str(local)
 
 
 def test_kubernetes_wiring():
