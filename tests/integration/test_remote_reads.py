@@ -1,0 +1,166 @@
+"""The remote tier's read path in round trips (server/tiers/redis.py `get`): a chunk whose header a lookup's
+probe read comes back with one MGET per GROUP_PARTS parts, the header in the first; one not looked up costs
+the header's GET first. Counted with the server's own command statistics on a Redis of the test's own.
+Also: a chunk rewritten after the probe (another generation) is read right, and damage found with a known
+generation is classified as without one (a wrong size or an overflow: corrupt; a part gone: missing; an
+error reply: not the chunk's fault, nothing deleted)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from kvtier.server.tiers.record import ChunkMeta
+from kvtier.server.tiers.redis import GROUP_PARTS, PART_BYTES, RemoteTier
+
+pytestmark = pytest.mark.integration
+pytest_plugins = ("redis_servers",)  # redis_server: a Redis of the test's own; make_acl_user
+
+BLOCKS = 4
+WAIT_S = 10.0
+
+
+def new_meta(ns: bytes, size: int) -> ChunkMeta:
+    return ChunkMeta(os.urandom(16), ns, BLOCKS, tuple(os.urandom(16) for _ in range(BLOCKS - 1)), size)
+
+
+def cli(url: str, *args: str) -> str:
+    port = url.rsplit(":", 1)[1]
+    return subprocess.run(["redis-cli", "-p", port, *args], capture_output=True, text=True, timeout=30,
+                          check=True).stdout.strip()
+
+
+def calls(url: str) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT."""
+    out = {}
+    for line in cli(url, "INFO", "commandstats").splitlines():
+        if line.startswith("cmdstat_"):
+            name, _, fields = line.partition(":")
+            out[name.removeprefix("cmdstat_")] = int(dict(f.split("=") for f in fields.split(","))["calls"])
+    return out
+
+
+def looked_up(tier: RemoteTier, meta: ChunkMeta) -> None:
+    """find_prefix until it finds the chunk (its probe read the header)."""
+    deadline = time.monotonic() + WAIT_S
+    while not tier.find_prefix([[*meta.aliases, meta.key]], meta.ns):
+        assert time.monotonic() < deadline, "the lookup did not find the chunk"
+        time.sleep(0.01)
+
+
+def read(tier: RemoteTier, meta: ChunkMeta) -> bytes | None:
+    """`get` into three buffers cut inside parts (those parts go through staging)."""
+    out = bytearray(meta.size)
+    view = memoryview(out)
+    cuts = [0, 4096, PART_BYTES + 3 * 65536, meta.size]
+    return bytes(out) if tier.get(meta, [view[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]) else None
+
+
+def parts_of(url: str, tier: RemoteTier, meta: ChunkMeta) -> list[str]:
+    keys = cli(url, "--scan", "--pattern", f"{tier.prefix}:{meta.ns.hex()}:{{{meta.key.hex()}}}:*:*").split()
+    return sorted(keys, key=lambda k: int(k.rsplit(":", 1)[1]))
+
+
+def header_of(tier: RemoteTier, meta: ChunkMeta) -> str:
+    return f"{tier.prefix}:{meta.ns.hex()}:{{{meta.key.hex()}}}:h"
+
+
+@pytest.fixture
+def tiers() -> Iterator:
+    made: list[RemoteTier] = []
+    prefix = f"t{uuid.uuid4().hex[:12]}"
+
+    def make(url: str) -> RemoteTier:
+        tier = RemoteTier(url, prefix=prefix)
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
+@pytest.mark.parametrize("parts", [3, 2 * GROUP_PARTS + 1])
+def test_a_looked_up_chunk_is_read_in_one_mget_per_group(redis_server, tiers, parts):
+    redis = redis_server()
+    writer, reader, cold = tiers(redis.url), tiers(redis.url), tiers(redis.url)
+    for t in (writer, reader, cold):
+        t.scan()
+    ns = os.urandom(16)
+    meta = new_meta(ns, (parts - 1) * PART_BYTES + 777)
+    data = os.urandom(meta.size)
+    assert writer.put(meta, data)
+    looked_up(reader, meta)
+    groups = -(-parts // GROUP_PARTS)
+    cli(redis.url, "CONFIG", "RESETSTAT")
+    assert read(reader, meta) == data
+    got = calls(redis.url)
+    assert (got.get("mget", 0), got.get("get", 0)) == (groups, 0), got  # the header came with the first parts
+    cli(redis.url, "CONFIG", "RESETSTAT")
+    assert read(cold, meta) == data  # never looked up: the header first
+    got = calls(redis.url)
+    assert (got.get("mget", 0), got.get("get", 0)) == (groups, 1), got
+
+
+def test_a_chunk_rewritten_after_the_lookup_is_read_from_its_new_generation(redis_server, tiers):
+    redis = redis_server()
+    writer, reader = tiers(redis.url), tiers(redis.url)
+    ns = os.urandom(16)
+    meta = new_meta(ns, 2 * PART_BYTES + 5)
+    assert writer.put(meta, os.urandom(meta.size))
+    looked_up(reader, meta)
+    old_parts = parts_of(redis.url, writer, meta)
+    cli(redis.url, "DEL", header_of(writer, meta))  # its header went (expired); another node writes it again
+    writer.remove(meta.key)
+    again = os.urandom(meta.size)
+    deadline = time.monotonic() + WAIT_S
+    while not writer.put(meta, again):
+        assert time.monotonic() < deadline, writer.stats()
+        time.sleep(0.01)
+    assert old_parts and all(p in parts_of(redis.url, writer, meta) for p in old_parts)  # the old ones are there
+    cli(redis.url, "CONFIG", "RESETSTAT")
+    assert read(reader, meta) == again
+    got = calls(redis.url)
+    assert (got.get("mget", 0), got.get("get", 0)) == (2, 1), got  # found another generation: read again
+    assert reader.corrupt == reader.missing == 0
+
+
+@pytest.mark.parametrize("how", ["grown", "shortened", "deleted", "header_gone"])
+def test_damage_found_with_a_known_generation(redis_server, tiers, how):
+    redis = redis_server()
+    writer, reader = tiers(redis.url), tiers(redis.url)
+    ns = os.urandom(16)
+    meta = new_meta(ns, 3 * PART_BYTES)
+    assert writer.put(meta, os.urandom(meta.size))
+    looked_up(reader, meta)
+    part = parts_of(redis.url, writer, meta)[1]
+    if how == "grown":  # longer than its buffer: glide refuses the overflow
+        cli(redis.url, "SETRANGE", part, str(PART_BYTES), "x")
+    elif how == "shortened":
+        cli(redis.url, "SET", part, "short")
+    elif how == "deleted":
+        cli(redis.url, "DEL", part)
+    else:
+        cli(redis.url, "DEL", header_of(writer, meta))
+    assert read(reader, meta) is None
+    assert (reader.corrupt, reader.missing) == ((1, 0) if how in ("grown", "shortened") else (0, 1))
+    assert cli(redis.url, "EXISTS", header_of(writer, meta)) == "0"  # deleted: never read again
+    assert read(reader, meta) is None  # a miss (the header is gone)
+
+
+def test_an_error_reply_is_not_corruption(redis_standalone, tiers, make_acl_user):
+    """A user refused MGET (the documented ACL line less +mget): the read is a counted error, the chunk stays."""
+    url = make_acl_user(redis_standalone, f"nomget-{uuid.uuid4().hex[:8]}", drop=("+mget",))
+    writer, reader = tiers(redis_standalone), tiers(url)
+    ns = os.urandom(16)
+    meta = new_meta(ns, 2 * PART_BYTES)
+    data = os.urandom(meta.size)
+    assert writer.put(meta, data)
+    looked_up(reader, meta)
+    assert read(reader, meta) is None
+    assert reader.errors >= 1 and reader.corrupt == reader.missing == 0
+    assert read(writer, meta) == data  # still there
