@@ -121,6 +121,8 @@ def _size_row(url: str, direct: Any, proxy_url: str, prefix: str, size: int, n: 
     tiers = {side: RemoteTier(u, prefix=prefix, ttl_s=TTL_MS / 1000)
              for side, u in (("writer", url), ("tier", proxy_url), ("tier_cold", proxy_url))}
     try:
+        for tier in tiers.values():
+            tier.scan()  # as the server does at start: a first bandwidth, which sizes the reads' MGETs
         for rep in range(-1, reps):  # rep -1: a warm-up, not counted
             metas, chunks = _new_metas(n, size), [os.urandom(16) for _ in range(n)]
             for meta, chunk, view in zip(metas, chunks, views, strict=True):

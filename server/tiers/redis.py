@@ -607,7 +607,7 @@ class RemoteTier(LowerTier):
 
     def _read_parts(self, node: str, client: Any, meta: ChunkMeta, gen: bytes, bufs: Sequence[memoryview],
                     hkey: str | None) -> tuple[bytes | None | object, str | None]:
-        """MGET generation `gen`'s parts into `bufs`, GROUP_PARTS a command (through a staging buffer where a
+        """MGET generation `gen`'s parts into `bufs`, `_group_parts()` a command (through a staging buffer where a
         part crosses two buffers), the header `hkey` first in the first one when given (then the parts after
         a missing header or one of another generation are not read). Returns (the header's value, None when
         missing; _UNREAD without `hkey`) and None when every part is there at its size, else why not:
@@ -627,8 +627,9 @@ class RemoteTier(LowerTier):
                 used += n
         keys = [self._part_key(meta.ns, meta.key, gen, i) for i in range(len(pieces))]
         header: bytes | None | object = _UNREAD
-        for g in range(0, len(keys), GROUP_PARTS):
-            names, outs = keys[g : g + GROUP_PARTS], targets[g : g + GROUP_PARTS]
+        group = self._group_parts()
+        for g in range(0, len(keys), group):
+            names, outs = keys[g : g + group], targets[g : g + group]
             with_header = hkey is not None and g == 0
             if with_header:
                 hbuf = memoryview(bytearray(GEN_BYTES + meta.header_len))  # a longer one is not this chunk's
@@ -658,6 +659,13 @@ class RemoteTier(LowerTier):
                     piece[:] = target[off : off + len(piece)]
                     off += len(piece)
         return header, None
+
+    def _group_parts(self) -> int:
+        """Parts per MGET: GROUP_PARTS, fewer where so many would not fit in the floor of the clients' request
+        timeout (`timeout_ms`) with TIMEOUT_FACTOR to spare at the measured bandwidth (an MGET takes no timeout
+        of its own, unlike a batch)."""
+        part_ms = PART_BYTES / (self._bw.bytes_per_s or ASSUMED_BYTES_PER_S) * 1000
+        return max(1, min(GROUP_PARTS, int(self.timeout_ms / (TIMEOUT_FACTOR * part_ms))))
 
     def _known_gen(self, key: bytes) -> bytes | None:
         """The generation of chunk `key` a probe or a read saw last, if remembered."""

@@ -95,7 +95,7 @@ def test_a_looked_up_chunk_is_read_in_one_mget_per_group(redis_server, tiers, pa
     data = os.urandom(meta.size)
     assert writer.put(meta, data)
     looked_up(reader, meta)
-    groups = -(-parts // GROUP_PARTS)
+    groups = -(-parts // reader._group_parts())  # GROUP_PARTS at loopback bandwidth; fewer on a slow link
     cli(redis.url, "CONFIG", "RESETSTAT")
     assert read(reader, meta) == data
     got = calls(redis.url)
@@ -164,3 +164,21 @@ def test_an_error_reply_is_not_corruption(redis_standalone, tiers, make_acl_user
     assert read(reader, meta) is None
     assert reader.errors >= 1 and reader.corrupt == reader.missing == 0
     assert read(writer, meta) == data  # still there
+
+
+def test_reads_fit_their_mgets_in_the_request_timeout(redis_server, tiers):
+    """At a measured bandwidth too low for several parts in `timeout_ms`, each MGET asks for one part."""
+    redis = redis_server()
+    writer, reader = tiers(redis.url), RemoteTier(redis.url, prefix=tiers(redis.url).prefix, timeout_ms=50)
+    try:
+        ns = os.urandom(16)
+        meta = new_meta(ns, 3 * PART_BYTES)
+        data = os.urandom(meta.size)
+        assert writer.put(meta, data)
+        looked_up(reader, meta)
+        reader._bw.add(PART_BYTES, 0.0, 0.05)  # 21 MB/s measured: a part takes 50 ms, 4x that > 50 ms
+        cli(redis.url, "CONFIG", "RESETSTAT")
+        assert read(reader, meta) == data
+        assert calls(redis.url).get("mget", 0) == 3
+    finally:
+        reader.close()
