@@ -157,8 +157,10 @@ def _size_row(url: str, direct: Any, proxy_url: str, prefix: str, size: int, n: 
 
 
 def bench_rtt(url: str, rtts_ms: list[float], sizes: list[int], total: int, reps: int) -> dict[str, Any]:
+    import glide_sync as glide
     from kvtier.server.config import parse_remote_url
 
+    glide.Logger.init(glide.LogLevel.ERROR)  # as RemoteTier does, before any client: no warnings on stdout
     u = parse_remote_url(url)
     host, port = u.nodes[0]
     prefix = f"kvtier-bench-{uuid.uuid4().hex[:12]}"
