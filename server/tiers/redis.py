@@ -17,13 +17,15 @@ Writes (`put`, write-behind threads): skipped when the header exists (another no
 else the parts (one non-atomic batch), then the header with SET NX, then the aliases with NX, all with the TTL
 (parts a little longer, so a header never outlives its parts by expiry). A put that loses the NX race
 deletes its own parts: a reader only ever sees one generation's parts, whose checksum is in its header, so
-two writers of different bytes never mix. Reads (`get`, promotion threads): the header, then each part
-straight into the L1 pages (a part that crosses a page run goes through a staging buffer), sizes and
-checksum verified before True; a missing part or header (`missing`) or a bad one (`corrupt`: a wrong size or
-checksum, never an error reply, which is a counted miss) is a miss and the header is deleted (only if it is
-still the one read; GET and UNLINK, the documented ACL's commands), never served; that generation is
-ignored for BAD_TTL_S, so it is counted once even when its delete failed (counted, logged). glide copies a GET's value into the
-buffer inside the call, so the pages are not written after it returns (the caller owns them until then).
+two writers of different bytes never mix. Reads (`get`, promotion threads): the parts in MGETs of up to
+GROUP_PARTS (8 MiB) straight into the L1 pages (a part that crosses a page run goes through a staging
+buffer), the header in the first MGET when a probe saw the chunk's generation (one round trip for a chunk
+of up to 8 MiB that a lookup found; the parts are only used if the header read with them is that
+generation's), else the header's GET first; sizes and checksum verified before True; a missing part or
+header (`missing`) or a bad one (`corrupt`: a wrong size or checksum, never an error reply, which is a
+counted miss) is a miss and the header is deleted (only if it is still the one read; GET and UNLINK, the documented ACL's commands), never served; that generation is
+ignored for BAD_TTL_S, so it is counted once even when its delete failed (counted, logged). glide copies an MGET's values into
+the buffers inside the call, so the pages are not written after it returns (the caller owns them until then).
 
 Lookups (`find_prefix`, the serving loop) never wait: they answer from a presence cache (block key ->
 (record, leading blocks) or missing, with an expiry, bounded), and for a chunk it does not know they start
