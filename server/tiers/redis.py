@@ -23,9 +23,10 @@ buffer), the header in the first MGET when a probe saw the chunk's generation (o
 of up to 8 MiB that a lookup found; the parts are only used if the header read with them is that
 generation's), else the header's GET first; sizes and checksum verified before True; a missing part or
 header (`missing`) or a bad one (`corrupt`: a wrong size or checksum, never an error reply, which is a
-counted miss) is a miss and the header is deleted (only if it is still the one read; GET and UNLINK, the documented ACL's commands), never served; that generation is
-ignored for BAD_TTL_S, so it is counted once even when its delete failed (counted, logged). glide copies an MGET's values into
-the buffers inside the call, so the pages are not written after it returns (the caller owns them until then).
+counted miss) is a miss and the header is deleted (only if it is still the one read; GET and UNLINK, the
+documented ACL's commands), never served; that generation is ignored for BAD_TTL_S, so it is counted once
+even when its delete failed (counted, logged). glide copies an MGET's values into the buffers inside the
+call, so the pages are not written after it returns (the caller owns them until then).
 
 Lookups (`find_prefix`, the serving loop) never wait: they answer from a presence cache (block key ->
 (record, leading blocks) or missing, with an expiry, bounded), and for a chunk it does not know they start
@@ -609,10 +610,10 @@ class RemoteTier(LowerTier):
 
     def _read_parts(self, node: str, client: Any, meta: ChunkMeta, gen: bytes, bufs: Sequence[memoryview],
                     hkey: str | None) -> tuple[bytes | None | object, str | None]:
-        """MGET generation `gen`'s parts into `bufs`, `_group_parts()` a command (through a staging buffer where a
-        part crosses two buffers), the header `hkey` first in the first one when given (then the parts after
-        a missing header or one of another generation are not read). Returns (the header's value, None when
-        missing; _UNREAD without `hkey`) and None when every part is there at its size, else why not:
+        """MGET generation `gen`'s parts into `bufs`, `_group_parts()` a command (through a staging buffer
+        where a part crosses two buffers), the header `hkey` first in the first one when given (then the parts
+        after a missing header or one of another generation are not read). Returns (the header's value, None
+        when missing; _UNREAD without `hkey`) and None when every part is there at its size, else why not:
         "missing" (a part), "corrupt" (a wrong size), _AGAIN (a value too large for its buffer in the
         command with the header: which one is not known). The caller verifies the checksum."""
         pieces = _pieces(bufs, meta.size)
