@@ -30,7 +30,8 @@ call, so the pages are not written after it returns (the caller owns them until 
 
 Lookups (`find_prefix`, the serving loop) never wait: they answer from a presence cache (block key ->
 (record, leading blocks) or missing, with an expiry, bounded), and for a chunk it does not know they start
-one probe on the probe thread (pipelined GETs of the header and alias keys, per node) and answer None
+one probe on the probe thread (an MGET of the header and alias keys; on a Cluster glide asks every master
+at once) and answer None
 ("pending"); the next lookup finds the answers. Known misses end the run.
 
 Failures: no retries on the data path; glide's request timeout is `--remote-timeout-ms` or 4x a part's time
@@ -833,26 +834,36 @@ class RemoteTier(LowerTier):
         self._presence.missing([k for k in keys if k not in found and self._presence.get(k, now) is _UNKNOWN], now)
 
     def _get_many(self, items: list[tuple[bytes, bytes, str]]) -> tuple[dict, dict]:
-        """GET (namespace, key, "h" or "a") items, a pipeline per node: (the header values, the alias values)
-        found, by item. A node that fails or is unavailable answers nothing."""
+        """GET (namespace, key, "h" or "a") items with MGET: (the header values, the alias values) found, by
+        item. On a Cluster, one MGET covers every node whose breaker is closed (glide splits it by slot and
+        asks the masters at once); if it fails, one per node, each under that node's breaker. A node that
+        fails or is unavailable answers nothing. MGET, not a batch: after a batch to a stalled master timed
+        out, glide-sync 2.6 timed out later batches to healthy masters too, plain commands not
+        (docs/performance.md)."""
         by_node: dict[str, list[tuple[bytes, bytes, str]]] = {}
         for item in items:
             by_node.setdefault(self._node_of(item[1]), []).append(item)
-        headers: dict = {}
-        aliases: dict = {}
+        values: dict = {}
         client = self._client()
-        for node, batch_items in by_node.items():
-            names = [self._key(*item) for item in batch_items]
+        live = [node for node in by_node if self._available(node)]
+        if len(live) > 1:
+            together = [item for node in live for item in by_node[node]]
+            with contextlib.suppress(glide.GlideError):  # then node by node: each failure to its own breaker
+                values.update(zip(together, client.mget([self._key(*item) for item in together]), strict=True))
+                by_node = {node: its for node, its in by_node.items() if node not in live}
+        for node, node_items in by_node.items():
+            names = [self._key(*item) for item in node_items]
             try:
-                values = self._call(node, "probe", lambda names=names: self._batch(
-                    client, lambda b: [b.get(n) for n in names], 0))
+                values.update(zip(node_items, self._call(node, "probe", lambda names=names: client.mget(names)),
+                                  strict=True))
             except (_Unavailable, glide.RequestError) as exc:
                 if isinstance(exc, glide.RequestError):
                     self._error("probe", node, exc)
-                continue
-            for item, value in zip(batch_items, values, strict=False):
-                if isinstance(value, bytes):
-                    (headers if item[2] == "h" else aliases)[item] = value
+        headers: dict = {}
+        aliases: dict = {}
+        for item, value in values.items():
+            if isinstance(value, bytes):
+                (headers if item[2] == "h" else aliases)[item] = value
         return headers, aliases
 
     def _decode(self, ns: bytes, key: bytes, value: bytes) -> ChunkMeta | None:

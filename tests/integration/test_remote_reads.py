@@ -8,6 +8,7 @@ error reply: not the chunk's fault, nothing deleted)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 import uuid
@@ -18,7 +19,7 @@ from kvtier.server.tiers.record import ChunkMeta
 from kvtier.server.tiers.redis import GROUP_PARTS, PART_BYTES, RemoteTier
 
 pytestmark = pytest.mark.integration
-pytest_plugins = ("redis_servers",)  # redis_server: a Redis of the test's own; make_acl_user
+pytest_plugins = ("redis_servers",)  # redis_server, redis_cluster_own: servers of the test's own; make_acl_user
 
 BLOCKS = 4
 WAIT_S = 10.0
@@ -115,12 +116,8 @@ def test_a_chunk_rewritten_after_the_lookup_is_read_from_its_new_generation(redi
     looked_up(reader, meta)
     old_parts = parts_of(redis.url, writer, meta)
     cli(redis.url, "DEL", header_of(writer, meta))  # its header went (expired); another node writes it again
-    writer.remove(meta.key)
     again = os.urandom(meta.size)
-    deadline = time.monotonic() + WAIT_S
-    while not writer.put(meta, again):
-        assert time.monotonic() < deadline, writer.stats()
-        time.sleep(0.01)
+    assert tiers(redis.url).put(meta, again)
     assert old_parts and all(p in parts_of(redis.url, writer, meta) for p in old_parts)  # the old ones are there
     cli(redis.url, "CONFIG", "RESETSTAT")
     assert read(reader, meta) == again
@@ -153,16 +150,22 @@ def test_damage_found_with_a_known_generation(redis_server, tiers, how):
 
 
 def test_an_error_reply_is_not_corruption(redis_standalone, tiers, make_acl_user):
-    """A user refused MGET (the documented ACL line less +mget): the read is a counted error, the chunk stays."""
+    """A user refused MGET (the documented ACL line less +mget): its lookups and reads are counted errors
+    (misses), never corruption, and the chunk stays."""
     url = make_acl_user(redis_standalone, f"nomget-{uuid.uuid4().hex[:8]}", drop=("+mget",))
     writer, reader = tiers(redis_standalone), tiers(url)
     ns = os.urandom(16)
     meta = new_meta(ns, 2 * PART_BYTES)
     data = os.urandom(meta.size)
     assert writer.put(meta, data)
-    looked_up(reader, meta)
-    assert read(reader, meta) is None
-    assert reader.errors >= 1 and reader.corrupt == reader.missing == 0
+    deadline = time.monotonic() + WAIT_S
+    while (found := reader.find_prefix([[*meta.aliases, meta.key]], ns)) is None:  # the probe's MGET refused
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert found == [] and reader.errors >= 1
+    errors = reader.errors
+    assert read(reader, meta) is None  # the header's GET is allowed, the parts' MGET refused
+    assert reader.errors == errors + 1 and reader.corrupt == reader.missing == 0
     assert read(writer, meta) == data  # still there
 
 
@@ -181,4 +184,42 @@ def test_reads_fit_their_mgets_in_the_request_timeout(redis_server, tiers):
         assert read(reader, meta) == data
         assert calls(redis.url).get("mget", 0) == 3
     finally:
+        reader.close()
+
+
+def test_a_probe_over_every_master_with_one_stopped(redis_cluster_own, tiers, tmp_path):
+    """Lookups whose probes cover three masters, one of them SIGSTOPped: the one MGET for all fails, then one
+    per master: the two others answer (the lookup finds their chunks, never a wrong one) and the stopped
+    master's failures count for its own breaker, which opens; the healthy masters' stay closed."""
+    url, _ = redis_cluster_own
+    writer = tiers(url)
+    reader = RemoteTier(url, prefix=writer.prefix, breaker_threshold=2, breaker_reset_s=60.0)
+    writer.scan()
+    ns = os.urandom(16)
+    metas: dict[str, ChunkMeta] = {}
+    while len(metas) < 3:  # one chunk per master
+        meta = new_meta(ns, 1000)
+        metas.setdefault(writer._node_of(meta.key), meta)
+    stopped = max(metas)
+    run = [metas[node] for node in sorted(metas) if node != stopped] + [metas[stopped]]
+    for meta in run:
+        assert writer.put(meta, os.urandom(meta.size))
+    pid = int((tmp_path / "cluster" / f"redis-{stopped.rsplit(':', 1)[1]}.pid").read_text())
+    reader.scan()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        chunks = [[*m.aliases, m.key] for m in run]
+        deadline = time.monotonic() + 2 * WAIT_S
+        while (found := reader.find_prefix(chunks, ns)) is None or len(found) < 2:
+            assert found is None or [m for m, _ in found] == run[:len(found)], found
+            assert time.monotonic() < deadline, f"the lookup did not find the live masters' chunks: {reader.stats()}"
+            time.sleep(0.05)
+        assert [m for m, _ in found] == run[:2]
+        deadline = time.monotonic() + 2 * WAIT_S
+        while reader.stats()["remote_breakers_open"] != [stopped]:  # more lookups: the stopped one's breaker
+            assert time.monotonic() < deadline, reader.stats()
+            reader.find_prefix([[os.urandom(16)] for _ in range(3)], ns)  # unknown keys on every master
+            time.sleep(0.05)
+    finally:
+        os.kill(pid, signal.SIGCONT)
         reader.close()
