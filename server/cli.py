@@ -22,6 +22,8 @@ TOOLS = {
                          "the journal's cost on the store path"),
     ("bench", "remote"): ("kvtier.server.bench.remote",
                           "remote tier GET/SET vs the raw glide client; L1 hits and stores with Redis stopped"),
+    ("bench", "remote-rtt"): ("kvtier.server.bench.remote_rtt",
+                              "remote tier reads vs a raw pipelined glide client at added round trips (a proxy)"),
     ("status",): ("kvtier.admin_api.status_cli", "summarise a running server's admin /status"),
 }
 

@@ -19,18 +19,22 @@ else the parts (one non-atomic batch), then the header with SET NX, then the ali
 deletes its own parts: a reader only ever sees one generation's parts, whose checksum is in its header, so
 two writers of different bytes never mix. A node that answers OOM (full, its policy evicts nothing) gets no
 writes for FULL_PAUSE_S[0], doubled per refused retry (skipped writes counted); reads go on.
-Reads (`get`, promotion threads): the header, then each part
-straight into the L1 pages (a part that crosses a page run goes through a staging buffer), sizes and
-checksum verified before True; a missing part or header (`missing`) or a bad one (`corrupt`: a wrong size or
-checksum, never an error reply, which is a counted miss) is a miss and the header is deleted (only if it is
-still the one read; GET and UNLINK, the documented ACL's commands), never served; that generation is
-ignored for BAD_TTL_S, so it is counted once even when its delete failed (counted, logged). glide copies a GET's value into the
-buffer inside the call, so the pages are not written after it returns (the caller owns them until then).
+Reads (`get`, promotion threads): the parts in MGETs of up to
+GROUP_PARTS (8 MiB) straight into the L1 pages (a part that crosses a page run goes through a staging
+buffer), the header in the first MGET when a probe saw the chunk's generation (one round trip for a chunk
+of up to 8 MiB that a lookup found; the parts are only used if the header read with them is that
+generation's), else the header's GET first; sizes and checksum verified before True; a missing part or
+header (`missing`) or a bad one (`corrupt`: a wrong size or checksum, never an error reply, which is a
+counted miss) is a miss and the header is deleted (only if it is still the one read; GET and UNLINK, the
+documented ACL's commands), never served; that generation is ignored for BAD_TTL_S, so it is counted once
+even when its delete failed (counted, logged). glide copies an MGET's values into the buffers inside the
+call, so the pages are not written after it returns (the caller owns them until then).
 A chunk read gets its TTL back (PEXPIRE, throttled per chunk: `_touch`).
 
 Lookups (`find_prefix`, the serving loop) never wait: they answer from a presence cache (block key ->
 (record, leading blocks) or missing, with an expiry, bounded), and for a chunk it does not know they start
-one probe on the probe thread (pipelined GETs of the header and alias keys, per node) and answer None
+one probe on the probe thread (an MGET of the header and alias keys; on a Cluster glide asks every master
+at once) and answer None
 ("pending"); the next lookup finds the answers. Known misses end the run.
 
 Failures: no retries on the data path; glide's request timeout is `--remote-timeout-ms` or 4x a part's time
@@ -85,6 +89,8 @@ log = logging.getLogger("kvtier.server.remote")
 T = TypeVar("T")
 
 PART_BYTES = 1 << 20  # one value per MiB: multi-MB values move ~2.5x slower (reference/remote-tier.md)
+GROUP_PARTS = 8  # parts a read asks for in one MGET: Redis 7 serves one reply of 32 MiB ~2x slower than 4 of 8
+GENS_MAX = 16_384  # chunk generations remembered from probes and reads (a known one is read in one round trip)
 GEN_BYTES = 8
 ALIAS = struct.Struct("<16sI")  # an alias key's value: chunk key, leading blocks
 PART_TTL_MARGIN_MS = 60_000  # parts outlive their header by this much
@@ -173,6 +179,8 @@ class _Breaker:
 
 
 _UNKNOWN = object()  # the presence cache's answer for a key it has no live entry for
+_UNREAD = object()  # a read's header value before it is read
+_AGAIN = "again"  # a read with the header to do again without it (see _read_parts)
 Found = tuple[ChunkMeta, int]  # a chunk and the leading blocks a key matches
 
 
@@ -277,6 +285,15 @@ def _pieces(bufs: Sequence, size: int) -> list[list[memoryview]]:
     return parts
 
 
+def _verified(bufs: Sequence, size: int, fields: bytes, checksum: bytes) -> bool:
+    """Whether the first `size` bytes of `bufs` (in order) and the header `fields` have `checksum`."""
+    h = hasher(fields)
+    for part in _pieces(bufs, size):
+        for piece in part:
+            h.update(piece)
+    return h.digest() == checksum
+
+
 def _slot(tag: bytes) -> int:
     """The Cluster slot of keys whose hash tag is `tag` (CRC16/XMODEM mod 16384)."""
     return binascii.crc_hqx(tag, 0) % CLUSTER_SLOTS
@@ -316,6 +333,7 @@ class RemoteTier(LowerTier):
         self._probing: set[bytes] = set()  # first keys of the probes queued or running
         self._bw = BandwidthMeter()  # every transfer's rate: what timeouts are sized from
         self._bad: OrderedDict[bytes, float] = OrderedDict()  # chunk key + generation -> until when it is ignored
+        self._gens: OrderedDict[bytes, bytes] = OrderedDict()  # chunk key -> the generation last seen (bounded)
         seed = self.url.nodes[0]
         self._slot_starts: list[int] = [0]  # Cluster slot ranges' first slots, and their masters
         self._slot_nodes: list[str] = [self._node_name(*seed)]
@@ -729,10 +747,19 @@ class RemoteTier(LowerTier):
         node, client = self._node_of(meta.key), self._client(primary, resize=True)
         hkey = self._key(meta.ns, meta.key, "h")
         start = time.perf_counter()
+        known = self._known_gen(meta.key)
         try:
-            header = self._call(node, "get", lambda: client.get(hkey))
+            header: bytes | None | object = _UNREAD
+            why: str | None = None
+            if known is not None:  # a probe saw the generation: the header comes with the first parts
+                header, why = self._read_parts(node, client, meta, known, bufs, hkey)
+                if why == _AGAIN or (isinstance(header, bytes) and header[:GEN_BYTES] != known):
+                    header, why = _UNREAD, None  # rewritten since, or an overflow that names no value: again
+            if header is _UNREAD:
+                header = self._call(node, "get", lambda: client.get(hkey))
             if header is None:
                 return self._lost(meta, None, "missing") if primary else self.get(meta, bufs, primary=True)
+            assert isinstance(header, bytes)
             try:
                 stored, fields, checksum = decode_header(header[GEN_BYTES:])
             except CorruptChunk:
@@ -740,14 +767,18 @@ class RemoteTier(LowerTier):
             if stored != meta or self._is_bad(meta.key, header):  # not this chunk (a stale lookup), or known bad
                 self._presence.drop(meta, time.monotonic())
                 return False
-            why = self._read_parts(node, client, meta, header[:GEN_BYTES], bufs, fields, checksum)
+            if header[:GEN_BYTES] != known:  # the parts are not read yet
+                why = self._read_parts(node, client, meta, header[:GEN_BYTES], bufs, None)[1]
+            if why is None and not _verified(bufs, meta.size, fields, checksum):
+                why = "corrupt"
         except _Unavailable:
             return False
         except glide.RequestError as exc:  # the server's error reply (LOADING, CLUSTERDOWN, NOPERM, BUSY, ...)
             self._error("get", node, exc)  # the store is unavailable, the chunk not known bad: nothing deleted
             return False
         if why is not None:
-            return self._lost(meta, header, why) if primary else self.get(meta, bufs, primary=True)
+            return self._lost(meta, header, why) if primary else self.get(meta, bufs, primary=True)  # type: ignore[arg-type]
+        self._remember_gen(meta.key, header)
         self._bw.add(meta.size, start, time.perf_counter())
         self._touch(node, meta, header[:GEN_BYTES])
         return True
@@ -802,36 +833,78 @@ class RemoteTier(LowerTier):
                 return
 
     def _read_parts(self, node: str, client: Any, meta: ChunkMeta, gen: bytes, bufs: Sequence[memoryview],
-                    fields: bytes, checksum: bytes) -> str | None:
-        """GET each part into `bufs` (through a staging buffer where a part crosses two) and verify the
-        checksum: None when verified, else why not ("missing" part, "corrupt": a wrong size or checksum)."""
-        h = hasher(fields)
-        staging: memoryview | None = None
-        for i, pieces in enumerate(_pieces(bufs, meta.size)):
-            n = sum(len(p) for p in pieces)
-            if len(pieces) == 1:
-                target = pieces[0]
+                    hkey: str | None) -> tuple[bytes | None | object, str | None]:
+        """MGET generation `gen`'s parts into `bufs`, `_group_parts()` a command (through a staging buffer
+        where a part crosses two buffers), the header `hkey` first in the first one when given (then the parts
+        after a missing header or one of another generation are not read). Returns (the header's value, None
+        when missing; _UNREAD without `hkey`) and None when every part is there at its size, else why not:
+        "missing" (a part), "corrupt" (a wrong size), _AGAIN (a value too large for its buffer in the
+        command with the header: which one is not known). The caller verifies the checksum."""
+        pieces = _pieces(bufs, meta.size)
+        crossing = sum(len(p) > 1 for p in pieces)
+        staging = memoryview(bytearray(crossing * PART_BYTES)) if crossing else None
+        targets: list[memoryview] = []
+        used = 0
+        for p in pieces:
+            if len(p) == 1:
+                targets.append(p[0])
             else:
-                staging = staging if staging is not None else memoryview(bytearray(PART_BYTES))
-                target = staging[:n]
-            key = self._part_key(meta.ns, meta.key, gen, i)
+                n = sum(len(x) for x in p)
+                targets.append(staging[used : used + n])  # type: ignore[index]
+                used += n
+        keys = [self._part_key(meta.ns, meta.key, gen, i) for i in range(len(pieces))]
+        header: bytes | None | object = _UNREAD
+        group = self._group_parts()
+        for g in range(0, len(keys), group):
+            names, outs = keys[g : g + group], targets[g : g + group]
+            with_header = hkey is not None and g == 0
+            if with_header:
+                hbuf = memoryview(bytearray(GEN_BYTES + meta.header_len))  # a longer one is not this chunk's
+                names, outs = [hkey, *names], [hbuf, *outs]
             try:
-                got = self._call(node, "get", lambda key=key, target=target: client.get(key, buffer=target))
-            except glide.RequestError as exc:  # the value is larger than the part (glide refuses to overflow)
+                got = self._call(node, "get", lambda names=names, outs=outs: client.mget(names, buffers=outs))
+            except glide.RequestError as exc:  # a value larger than its buffer (glide refuses to overflow)
                 if _OVERFLOW in str(exc):
-                    return "corrupt"
+                    return header, _AGAIN if with_header else "corrupt"
                 raise  # the server's error reply: not the chunk's fault
-            if got is None:
-                return "missing"
-            if int(got) != n:
-                return "corrupt"
-            if len(pieces) > 1:
+            if len(got) != len(names):
+                raise glide.RequestError(f"MGET of {len(names)} keys answered {len(got)} values")
+            if with_header:
+                header = None if got[0] is None else bytes(hbuf[: int(got[0])])
+                if header is None or header[:GEN_BYTES] != gen:  # type: ignore[index]
+                    return header, None
+                got, outs = got[1:], outs[1:]
+            for n, out in zip(got, outs, strict=True):
+                if n is None:
+                    return header, "missing"
+                if int(n) != len(out):
+                    return header, "corrupt"
+        for p, target in zip(pieces, targets, strict=True):
+            if len(p) > 1:
                 off = 0
-                for p in pieces:
-                    p[:] = target[off : off + len(p)]
-                    off += len(p)
-            h.update(target)
-        return None if h.digest() == checksum else "corrupt"
+                for piece in p:
+                    piece[:] = target[off : off + len(piece)]
+                    off += len(piece)
+        return header, None
+
+    def _group_parts(self) -> int:
+        """Parts per MGET: GROUP_PARTS, fewer where so many would not fit in the floor of the clients' request
+        timeout (`timeout_ms`) with TIMEOUT_FACTOR to spare at the measured bandwidth (an MGET takes no timeout
+        of its own, unlike a batch)."""
+        part_ms = PART_BYTES / (self._bw.bytes_per_s or ASSUMED_BYTES_PER_S) * 1000
+        return max(1, min(GROUP_PARTS, int(self.timeout_ms / (TIMEOUT_FACTOR * part_ms))))
+
+    def _known_gen(self, key: bytes) -> bytes | None:
+        """The generation of chunk `key` a probe or a read saw last, if remembered."""
+        with self._lock:
+            return self._gens.get(key)
+
+    def _remember_gen(self, key: bytes, header: bytes) -> None:
+        with self._lock:
+            self._gens[key] = header[:GEN_BYTES]
+            self._gens.move_to_end(key)
+            while len(self._gens) > GENS_MAX:
+                self._gens.popitem(last=False)
 
     def _lost(self, meta: ChunkMeta, header: bytes | None, why: str) -> bool:
         """A chunk that cannot be served: forgotten and, unless that generation was already found bad,
@@ -962,6 +1035,7 @@ class RemoteTier(LowerTier):
         for (ns, key, _), value in headers.items():
             meta = self._decode(ns, key, value)
             if meta is not None:
+                self._remember_gen(key, value)
                 self._presence.add(meta, now)
                 found[key] = (meta, meta.blocks)
         wanted = {}
@@ -975,6 +1049,7 @@ class RemoteTier(LowerTier):
                 value = targets.get((ns, chunk, "h"))
                 meta = self._decode(ns, chunk, value) if value is not None else None
                 if meta is not None and 0 < lead <= len(meta.aliases) and meta.aliases[lead - 1] == key:
+                    self._remember_gen(chunk, value)  # type: ignore[arg-type]
                     self._presence.add(meta, now)
                     found[key] = (meta, lead)
         for key, hit in found.items():
@@ -982,30 +1057,36 @@ class RemoteTier(LowerTier):
         self._presence.missing([k for k in keys if k not in found and self._presence.get(k, now) is _UNKNOWN], now)
 
     def _get_many(self, items: list[tuple[bytes, bytes, str]]) -> tuple[dict, dict]:
-        """GET (namespace, key, "h" or "a") items, a pipeline per node: (the header values, the alias values)
-        found, by item. A node that fails or is unavailable answers nothing, an error reply nothing for its key
-        (one counted per pipeline)."""
+        """GET (namespace, key, "h" or "a") items with MGET: (the header values, the alias values) found, by
+        item. On a Cluster, one MGET covers every node whose breaker is closed (glide splits it by slot and
+        asks the masters at once); if it fails, one per node, each under that node's breaker. A node that
+        fails or is unavailable answers nothing. MGET, not a batch: after a batch to a stalled master timed
+        out, glide-sync 2.6 timed out later batches to healthy masters too, plain commands not
+        (docs/performance.md)."""
         by_node: dict[str, list[tuple[bytes, bytes, str]]] = {}
         for item in items:
             by_node.setdefault(self._node_of(item[1]), []).append(item)
-        headers: dict = {}
-        aliases: dict = {}
+        values: dict = {}
         client = self._client()
-        for node, batch_items in by_node.items():
-            names = [self._key(*item) for item in batch_items]
+        live = [node for node in by_node if self._available(node)]
+        if len(live) > 1:
+            together = [item for node in live for item in by_node[node]]
+            with contextlib.suppress(glide.GlideError):  # then node by node: each failure to its own breaker
+                values.update(zip(together, client.mget([self._key(*item) for item in together]), strict=True))
+                by_node = {node: its for node, its in by_node.items() if node not in live}
+        for node, node_items in by_node.items():
+            names = [self._key(*item) for item in node_items]
             try:
-                values = self._call(node, "probe", lambda names=names: self._batch(
-                    client, lambda b: [b.get(n) for n in names], 0))
+                values.update(zip(node_items, self._call(node, "probe", lambda names=names: client.mget(names)),
+                                  strict=True))
             except (_Unavailable, glide.RequestError) as exc:
                 if isinstance(exc, glide.RequestError):
                     self._error("probe", node, exc)
-                continue
-            refused = next((v for v in values if isinstance(v, Exception)), None)
-            if refused is not None:  # e.g. CLUSTERDOWN while a failover elects a replica
-                self._error("probe", node, refused)
-            for item, value in zip(batch_items, values, strict=False):
-                if isinstance(value, bytes):
-                    (headers if item[2] == "h" else aliases)[item] = value
+        headers: dict = {}
+        aliases: dict = {}
+        for item, value in values.items():
+            if isinstance(value, bytes):
+                (headers if item[2] == "h" else aliases)[item] = value
         return headers, aliases
 
     def _decode(self, ns: bytes, key: bytes, value: bytes) -> ChunkMeta | None:

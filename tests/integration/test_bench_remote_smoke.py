@@ -1,7 +1,8 @@
-"""Smoke test of `kvtier bench remote` at tiny sizes against a Redis of the test's own: it runs end to end
-(throughput through the tier and the raw client; latency of two kvtier servers with that Redis running and
-SIGSTOPped), reports positive figures and same-run baselines, resumes the Redis, leaves no key behind, and
-refuses to stop a process that is not the Redis. No wall-time checks."""
+"""Smoke test of `kvtier bench remote` and `kvtier bench remote-rtt` at tiny sizes against a Redis of the
+test's own: they run end to end (throughput through the tier and the raw client; latency of two kvtier servers
+with that Redis running and SIGSTOPped; reads through the delaying proxy), report positive figures and same-run
+baselines, resume the Redis, leave no key behind, and refuse to stop a process that is not the Redis. No
+wall-time checks (only that the proxy added at least most of the round trip it was asked for)."""
 
 from __future__ import annotations
 
@@ -76,3 +77,32 @@ def test_bench_remote_refuses_a_pid_that_is_not_the_redis(redis_server):
     finally:
         bystander.kill()
         bystander.wait(timeout=10)
+
+
+def test_bench_remote_rtt_json(redis_server):
+    """`kvtier bench remote-rtt` at tiny sizes: every RTT and size has positive figures for the three readers,
+    the proxy added a round trip of about the asked one (loose: a shared machine), nothing left behind."""
+    redis = redis_server()
+    r = subprocess.run([sys.executable, "-m", "kvtier.server.cli", "bench", "remote-rtt", "--remote-url", redis.url,
+                        "--rtt-ms", "0,5", "--chunk-mib", "1,2.5", "--total-mib", "3", "--reps", "1", "--json"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(r.stdout)
+    assert res["bench"] == "remote-rtt" and res["reps"] == 1 and _positive(res["direct_rtt_us"])
+    assert set(res["rtts"]) == {"0", "5"}
+    assert res["rtts"]["5"]["added_rtt_us"] >= 4000
+    for x in res["rtts"].values():
+        assert {k: (v["chunks"], v["parts"]) for k, v in x["sizes"].items()} == {"1": (3, 1), "2.5": (1, 3)}
+        for row in x["sizes"].values():
+            assert all(_positive(row[k]) for k in ("tier_gbps", "tier_cold_gbps", "raw_gbps", "tier_ratio",
+                                                    "tier_cold_ratio")), row
+    assert set(res["ratios"]) == {f"get_{rtt}ms_{size}MiB" for rtt in ("0", "5") for size in ("1", "2.5")}
+    assert res["figure"]["value"] == min(v for k, v in res["ratios"].items() if k.startswith("get_5ms"))
+    assert _cli(redis.url, "DBSIZE") == "0"
+
+
+def test_bench_remote_rtt_refuses_a_cluster():
+    r = subprocess.run([sys.executable, "-m", "kvtier.server.cli", "bench", "remote-rtt", "--remote-url",
+                        "redis+cluster://127.0.0.1:1,127.0.0.1:2"], capture_output=True, text=True, timeout=60,
+                       cwd=REPO)
+    assert r.returncode != 0 and "must be a standalone server" in r.stderr, r.stderr
