@@ -66,7 +66,7 @@ class ServerConfig:
                                         "maxmemory policy then must be allkeys-*)")
     remote_timeout_ms: int = _opt(200, "floor of every remote call's timeout in ms; a transfer gets 4x its time at "
                                        "the measured bandwidth when that is longer")
-    remote_connect_timeout_ms: int = _opt(5000, "floor of a remote connection's setup timeout in ms (TCP, TLS, AUTH: "
+    remote_connect_timeout_ms: int = _opt(1000, "floor of a remote connection's setup timeout in ms (TCP, TLS, AUTH: "
                                                "several round trips when cold)")
     remote_queue_depth: int = _opt(256, "chunks the remote write-behind queue holds before remote copies are dropped")
     remote_breaker_threshold: int = _opt(5, "consecutive failed calls (timeouts, lost connections) to one remote node "

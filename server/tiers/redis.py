@@ -307,7 +307,7 @@ class RemoteTier(LowerTier):
 
     def __init__(self, url: str, prefix: str = "kvtier", ttl_s: float = 86400.0, timeout_ms: int = 200,
                  breaker_threshold: int = 5, breaker_reset_s: float = 5.0,
-                 metrics: RemoteMetrics | None = None, connect_timeout_ms: int = 5000,
+                 metrics: RemoteMetrics | None = None, connect_timeout_ms: int = 1000,
                  access: RemoteAccess | None = None) -> None:
         self.url: RemoteUrl = parse_remote_url(url)
         self.access = access if access is not None else RemoteAccess()

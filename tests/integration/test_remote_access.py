@@ -279,10 +279,10 @@ def test_a_node_started_with_a_stale_password_recovers_when_its_file_is_fixed(re
 
 
 def gets(port: int) -> int:
-    """GET calls the server at `port` answered so far."""
-    stats = cli(port, "INFO", "commandstats")
-    line = next((x for x in stats.splitlines() if x.startswith("cmdstat_get:")), "cmdstat_get:calls=0,")
-    return int(line.split("calls=")[1].split(",")[0])
+    """GET and MGET calls the server at `port` answered so far (reads and probes use both)."""
+    stats = cli(port, "INFO", "commandstats").splitlines()
+    return sum(int(x.split("calls=")[1].split(",")[0]) for x in stats
+               if x.startswith(("cmdstat_get:", "cmdstat_mget:")))
 
 
 def test_a_lagging_replica_never_makes_a_healthy_chunk_lost(redis_procs):
