@@ -131,11 +131,6 @@ def metrics_text(node: Node) -> str:
         return r.read().decode()
 
 
-def failures(node: Node) -> int:
-    s = node.remote()
-    return s["remote_errors"] + s["remote_timeouts"] + s["remote_rejected_calls"]
-
-
 def test_master_killed_mid_workload_fails_over(redis_cluster_replicas: ReplicatedCluster, nodes):  # noqa: F811
     cluster = redis_cluster_replicas
     dead, promoted = cluster.masters[0], cluster.replica_of[cluster.masters[0]]
@@ -154,7 +149,6 @@ def test_master_killed_mid_workload_fails_over(redis_cluster_replicas: Replicate
     while time.monotonic() < t_end:
         step(a, b, next(seeds), hot, before)
     assert before.remote_hits > 0, "B read nothing from the remote tier before the kill"
-    failed_before = failures(a)
     assert healthy(a) and healthy(b)
 
     os.kill(cluster.pid(dead), signal.SIGKILL)
@@ -171,7 +165,8 @@ def test_master_killed_mid_workload_fails_over(redis_cluster_replicas: Replicate
             break
         assert now - t_kill < RECOVER_S, f"still degraded: A {a.get('/healthz')[1]}, B {b.get('/healthz')[1]}"
     recovered_s = time.monotonic() - t_kill
-    assert failures(a) > failed_before, "the kill did not disturb A's remote tier: the test exercised nothing"
+    # The kill disturbed A (else the test exercised nothing): the dead master's breaker opened. Its calls that
+    # failed are not always data calls (a slot map refresh's INFO can be the one), so no counter is required.
     assert any(f"127.0.0.1:{dead}" in r for r in reasons), f"the dead master's breaker never opened: {reasons}"
     promoted_slots = own_slots(promoted)
     assert promoted_slots, "the replica was not promoted"
