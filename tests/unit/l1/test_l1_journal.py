@@ -46,7 +46,7 @@ def anonymous_segment(size: int) -> Segment:
 
 
 class RecordingJournal(Journal):
-    """Calls `on_write` after each append and rewrite: the instants a kill would leave this journal."""
+    """Calls `on_write` after each append, rewrite and switch: the instants a kill would leave this journal."""
 
     on_write = staticmethod(lambda: None)
 
@@ -59,6 +59,12 @@ class RecordingJournal(Journal):
     def rewrite(self, records: bytes) -> None:
         super().rewrite(records)
         self.on_write()
+
+    def switch(self) -> bool:
+        done = super().switch()
+        if done:
+            self.on_write()
+        return done
 
 
 def tag(key: bytes) -> int:
@@ -169,6 +175,11 @@ class Workload:
             entry.extents = extents
             self.promoting[it.key] = entry
 
+    def pin(self) -> None:
+        if self.store.entries:
+            key = self.rng.choice(list(self.store.entries))
+            self.store.pin_keys([key], self.rng.choice([1, 1, -1]))
+
     def time_passes(self) -> None:
         self.clock.now += self.rng.choice([1.0, 6.0])
         self.holds.sweep()
@@ -181,7 +192,7 @@ class Workload:
 
     def step(self) -> None:
         ops = [(self.reserve, 4), (self.write, 6), (self.settle, 7), (self.abort_unwritten, 1), (self.acquire, 2),
-               (self.release, 2), (self.promote, 2), (self.time_passes, 1), (self.clear, 0.2), (self.resize, 0.3)]
+               (self.release, 2), (self.promote, 2), (self.pin, 0.5), (self.time_passes, 1), (self.clear, 0.2), (self.resize, 0.3)]
         fn = self.rng.choices([op for op, _ in ops], [w for _, w in ops])[0]
         try:
             fn()
@@ -197,8 +208,8 @@ class Workload:
         assert [e.key for e in got.entries] == list(self.store.entries)
         for e in got.entries:
             mine = self.store.entries[e.key]
-            assert (e.ns, e.size, e.blocks, e.aliases, e.extents) == (mine.ns, mine.size, mine.blocks,
-                                                                       mine.aliases, mine.extents)
+            assert (e.ns, e.size, e.blocks, e.aliases, e.extents, e.pins) == (
+                mine.ns, mine.size, mine.blocks, mine.aliases, mine.extents, mine.pins)
         used = np.ones(PAGES, dtype=bool)
         used[from_extents(self.store.pool.free_extents())] = False
         for entry in self.store.entries.values():
