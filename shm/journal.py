@@ -65,7 +65,8 @@ _SUM = struct.Struct("<Q")
 RECORD_OVERHEAD = _HEAD.size + _SUM.size
 _ACTIVE = 1 << 63
 RESERVE_STEP = 1 << 20  # bytes of a half reserved at a time ahead of the writes
-COPY_STEP = 4 << 20  # bytes the worker copies (or gives back) at once: the GIL is held for each copy
+JOIN_STEP = 4096  # records the worker joins and copies at once: the GIL is held for each join and copy
+GIVE_BACK_STEP = 4 << 20  # bytes of a half the worker gives back at once (the GIL is held for each)
 
 
 class JournalMismatch(Exception):
@@ -271,8 +272,8 @@ class Journal:
         self.active, self.length = new, end
         self.reserved[old] = 0
         base = self._base(old)
-        self._submit(self._give_back, [(at, min(at + COPY_STEP, base + self.half))
-                                       for at in range(base, base + self.half, COPY_STEP)])
+        self._submit(self._give_back, [(at, min(at + GIVE_BACK_STEP, base + self.half))
+                                       for at in range(base, base + self.half, GIVE_BACK_STEP)])
         return True
 
     def drop_staging(self) -> None:
@@ -293,24 +294,25 @@ class Journal:
         self._jobs = []
 
     def _write_staged(self, staging: Staging, parts: list[bytes]) -> None:
-        """On the worker: the snapshot into `staging.half`, its memory reserved first, a step at a time (the
-        join and the reservation let go of the GIL; each step's copy holds it only briefly)."""
+        """On the worker: the snapshot into `staging.half`, JOIN_STEP records at a time, each piece's memory
+        reserved before it is stored to (a join and a copy hold the GIL only briefly; a reservation lets go)."""
         try:
-            data = memoryview(b"".join(parts))
-            if len(data) > self.half:
-                staging.error = f"a snapshot of {len(data)} bytes does not fit a half of {self.half}"
-                return
-            base = self._base(staging.half)
-            stop = min(self.half, len(data) + RESERVE_STEP)
-            try:
-                _back(self.segment, base, stop)
-            except OSError as exc:
-                staging.error, staging.lost = exc.strerror or str(exc), True
-                return
-            for at in range(0, len(data), COPY_STEP):
-                piece = data[at : at + COPY_STEP]
-                self._buf[base + at : base + at + len(piece)] = piece
-            staging.length, staging.reserved = len(data), stop
+            base, at = self._base(staging.half), 0
+            for i in range(0, len(parts), JOIN_STEP):
+                data = b"".join(parts[i : i + JOIN_STEP])
+                if at + len(data) > self.half:
+                    staging.error = f"a snapshot of over {at + len(data)} bytes does not fit a half of {self.half}"
+                    return
+                if data:
+                    _back(self.segment, base + at, len(data))
+                    self._buf[base + at : base + at + len(data)] = data
+                    at += len(data)
+            stop = min(self.half, at + RESERVE_STEP)  # for the records that follow it
+            if stop > at:
+                _back(self.segment, base + at, stop - at)
+            staging.length, staging.reserved = at, stop
+        except OSError as exc:
+            staging.error, staging.lost = exc.strerror or str(exc), True
         except Exception as exc:  # noqa: BLE001 - reported to the writer, which falls back to `rewrite`
             staging.error = f"staging failed: {exc!r}"
         finally:

@@ -202,8 +202,10 @@ class L1Journal:
         """Make the staged snapshot the log; if it cannot be (it and the records since do not fit), compact on
         the loop instead."""
         journal = self.journal
+        staging = journal.staging
+        assert staging is not None
         if journal.switch():
-            self._compacted(journal.length)
+            self._compacted(staging.length)  # (the records since count as the log's growth)
         elif journal.lost:
             self._fail(f"the journal ran out of room ({journal.lost})")
         else:

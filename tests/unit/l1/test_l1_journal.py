@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import mmap
 import random
+import threading
 
 import msgpack
 import numpy as np
@@ -31,7 +32,7 @@ from kvtier.server.l1.journal import (
 from kvtier.server.l1.pool import PagePool, extent_pages, from_extents
 from kvtier.server.l1.store import Entry, L1Store
 from kvtier.server.metrics import Metrics
-from kvtier.shm.journal import Journal, JournalDamaged, JournalMismatch, frame, journal_bytes, parse
+from kvtier.shm.journal import Journal, JournalDamaged, JournalMismatch, Staging, frame, journal_bytes, parse
 from kvtier.shm.segment import Segment
 from l1_helpers import BPC, MIN_BLOCK_BYTES, NS, PAGE, FakeClock, block_key, item
 
@@ -46,25 +47,48 @@ def anonymous_segment(size: int) -> Segment:
 
 
 class RecordingJournal(Journal):
-    """Calls `on_write` after each append, rewrite and switch: the instants a kill would leave this journal."""
+    """Calls `on_write` after each append, rewrite and switch: the instants a kill would leave this journal.
+    A staged snapshot lets `let_through()` appends into the active half before its worker may write it and is
+    waited for: the switch comes at a point the workload's seed decides, not the threads' timing."""
 
     on_write = staticmethod(lambda: None)
+    let_through = staticmethod(lambda: 0)
+    _left = 0
+    _gate = threading.Event()
+
+    def stage(self, parts: list[bytes]) -> Staging:
+        self._gate, self._left = threading.Event(), self.let_through()
+        return super().stage(parts)
+
+    def _write_staged(self, staging: Staging, parts: list[bytes]) -> None:
+        self._gate.wait()
+        super()._write_staged(staging, parts)
 
     def append(self, record: bytes) -> bool:
+        if self.staging is not None:
+            if self._left <= 0:
+                self._gate.set()
+                self.staging.done.wait()
+            self._left -= 1
         done = super().append(record)
         if done:
             self.on_write()
         return done
 
-    def rewrite(self, records: bytes) -> None:
-        super().rewrite(records)
-        self.on_write()
-
     def switch(self) -> bool:
+        self._gate.set()
         done = super().switch()
         if done:
             self.on_write()
         return done
+
+    def drop_staging(self) -> None:
+        self._gate.set()
+        super().drop_staging()
+
+    def rewrite(self, records: bytes) -> None:
+        super().rewrite(records)
+        self.on_write()
 
 
 def tag(key: bytes) -> int:
@@ -94,6 +118,8 @@ class Workload:
             self.hello(ident)
         self.fp = NS.fingerprint()
         self.journal.on_write = self.capture
+        let = random.Random(-seed)  # its own: the workload's operations stay those of the seed
+        self.journal.let_through = lambda: let.randrange(12)
 
     def capture(self) -> None:
         writers = [r.extents for r in self.holds.reservations.values()] + [e.extents for e in self.promoting.values()]
@@ -117,7 +143,7 @@ class Workload:
         for _ in range(self.rng.randint(1, 3)):
             blocks = self.rng.choice([BPC, BPC, BPC, 1, 2])
             pages = self.rng.randint(1, 3)
-            items.append(item(self.rng.randrange(30), blocks, max(pages * PAGE - self.rng.randrange(PAGE), blocks * MIN_BLOCK_BYTES)))
+            items.append(item(self.rng.randrange(12), blocks, max(pages * PAGE - self.rng.randrange(PAGE), blocks * MIN_BLOCK_BYTES)))
         self.holds.reserve(self.owner(), self.fp, items)
 
     def write(self) -> None:
