@@ -242,7 +242,7 @@ def test_what_the_loop_logs_while_the_worker_stages_survives_the_switch_and_a_ki
     same(store, after_a_kill(name, half, VERSION, geometry))  # written, not switched to
     active = journal.active
     store_family(holds, staged_at + 200)  # the first append after the worker is done switches
-    assert writer.compactions == 1 and journal.active != active and journal.staging is None
+    assert writer.compactions == 1 and journal.active != active  # (the records since may start another)
     same(store, after_a_kill(name, half, VERSION, geometry))
     same(store, journal)
     journal.close()
