@@ -184,7 +184,7 @@ class L1Journal:
         if journal.staging is not None and journal.staging.done.is_set():
             self._switch()
         elif journal.staging is None and journal.length + len(record) > self._limit:
-            journal.stage(self._parts())
+            self.stage()
         if self.failed or journal.append(record):
             return
         if journal.staging is not None and not journal.lost:  # the half filled before the worker was done
@@ -197,6 +197,12 @@ class L1Journal:
         self.compact()
         if not self.failed and not journal.append(record):
             self._fail(f"a record of {len(record)} bytes does not fit after a compaction")
+
+    def stage(self) -> None:
+        """Start a compaction off the loop: the live state captured now, written into the other half by the
+        journal's worker, switched to at the first append after it is done."""
+        if not self.failed and self.journal.staging is None:
+            self.journal.stage(self._parts())
 
     def _switch(self) -> None:
         """Make the staged snapshot the log; if it cannot be (it and the records since do not fit), compact on
