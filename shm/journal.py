@@ -19,7 +19,8 @@ before the flip, the active half is untouched. The old half's memory is then giv
 `stage` and `switch` compact without holding the writer up: `stage` hands a snapshot (its records, captured
 by the caller) to a worker thread that writes it into the other half, while `append` goes on committing to
 the active half and keeps a copy of each record it appends; `switch`, once the worker is done, writes those
-copies after the snapshot and flips the word: the commit point, as in `rewrite`. Killed at any instant before
+copies after the snapshot (the worker, once the snapshot is written, copies those that came meanwhile too, so
+that few are left for the switch) and flips the word: the commit point, as in `rewrite`. Killed at any instant before
 the flip, the active half holds every record; after it, the new half holds the snapshot and every record
 appended since it was captured. The worker also gives the old half's memory back, after the flip.
 
@@ -66,12 +67,17 @@ RECORD_OVERHEAD = _HEAD.size + _SUM.size
 _ACTIVE = 1 << 63
 RESERVE_STEP = 1 << 20  # bytes of a half reserved at a time ahead of the writes
 JOIN_STEP = 4096  # records the worker joins and copies at once: the GIL is held for each join and copy
+CATCH_UP_ROUNDS, CATCH_UP_LEFT = 8, 256  # the worker copies the records since while more than 256 are left
 GIVE_BACK_STEP = 4 << 20  # bytes of a half the worker gives back at once (the GIL is held for each)
 
 
 class JournalMismatch(Exception):
     """The file is not a journal this code may continue: not one at all, or another framing, version or
     geometry. The message says which."""
+
+
+class _NoFit(Exception):
+    """What the worker was to write does not fit the half."""
 
 
 class JournalDamaged(Exception):
@@ -124,6 +130,8 @@ class Staging:
     half: int
     since: list[bytes] = field(default_factory=list)  # appended to the active half after the snapshot
     length: int = 0  # the snapshot's bytes (set by the worker)
+    written: int = 0  # bytes the worker wrote: the snapshot, then the first `copied` records of `since`
+    copied: int = 0
     reserved: int = 0  # bytes of the half the worker backed (set by the worker)
     error: str = ""  # set by the worker: "" or why the snapshot is not written
     lost: bool = False  # the error is the tmpfs out of room
@@ -258,15 +266,15 @@ class Journal:
         staging.done.wait()
         if staging.lost:
             self._lose(staging.error)
-        tail = b"".join(staging.since)
-        end = staging.length + len(tail)
+        tail = b"".join(staging.since[staging.copied :])
+        end = staging.written + len(tail)
         if staging.error or end > self.half:
             return False
         old, new = self.active, staging.half
         self.reserved[new] = staging.reserved
         if not self._reserve(new, end, RESERVE_STEP):
             return False
-        start = self._base(new) + staging.length
+        start = self._base(new) + staging.written
         self._buf[start : start + len(tail)] = tail
         self._word[0] = (new << 63) | end  # the commit point
         self.active, self.length = new, end
@@ -295,28 +303,42 @@ class Journal:
 
     def _write_staged(self, staging: Staging, parts: list[bytes]) -> None:
         """On the worker: the snapshot into `staging.half`, JOIN_STEP records at a time, each piece's memory
-        reserved before it is stored to (a join and a copy hold the GIL only briefly; a reservation lets go)."""
+        reserved before it is stored to (a join and a copy hold the GIL only briefly; a reservation lets go);
+        then, while many have come, the records appended since, so that the switch has few left to copy."""
         try:
-            base, at = self._base(staging.half), 0
-            for i in range(0, len(parts), JOIN_STEP):
-                data = b"".join(parts[i : i + JOIN_STEP])
-                if at + len(data) > self.half:
-                    staging.error = f"a snapshot of over {at + len(data)} bytes does not fit a half of {self.half}"
-                    return
-                if data:
-                    _back(self.segment, base + at, len(data))
-                    self._buf[base + at : base + at + len(data)] = data
-                    at += len(data)
+            base = self._base(staging.half)
+            at = self._write_pieces(staging, base, 0, parts)
+            staging.length = at
+            for _ in range(CATCH_UP_ROUNDS):
+                since = staging.since[staging.copied :]  # (the loop appends to the list meanwhile)
+                if len(since) <= CATCH_UP_LEFT:
+                    break
+                at = self._write_pieces(staging, base, at, since)
+                staging.copied += len(since)
             stop = min(self.half, at + RESERVE_STEP)  # for the records that follow it
             if stop > at:
                 _back(self.segment, base + at, stop - at)
-            staging.length, staging.reserved = at, stop
+            staging.written, staging.reserved = at, stop
         except OSError as exc:
             staging.error, staging.lost = exc.strerror or str(exc), True
+        except _NoFit as exc:
+            staging.error = str(exc)
         except Exception as exc:  # noqa: BLE001 - reported to the writer, which falls back to `rewrite`
             staging.error = f"staging failed: {exc!r}"
         finally:
             staging.done.set()
+
+    def _write_pieces(self, staging: Staging, base: int, at: int, records: list[bytes]) -> int:
+        """Write `records` from byte `at` of the half at `base`; returns where they end."""
+        for i in range(0, len(records), JOIN_STEP):
+            data = b"".join(records[i : i + JOIN_STEP])
+            if at + len(data) > self.half:
+                raise _NoFit(f"a snapshot of over {at + len(data)} bytes does not fit a half of {self.half}")
+            if data:
+                _back(self.segment, base + at, len(data))
+                self._buf[base + at : base + at + len(data)] = data
+                at += len(data)
+        return at
 
     def _give_back(self, ranges: list[tuple[int, int]]) -> None:
         for piece in ranges:

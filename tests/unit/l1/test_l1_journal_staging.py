@@ -230,18 +230,19 @@ def test_what_the_loop_logs_while_the_worker_stages_survives_the_switch_and_a_ki
         store_family(holds, family)
         family += 1
     staged_at = family
-    for later in range(staged_at, staged_at + 80):  # evicting (64 pages): commits, removals, frees, pins
+    for later in range(staged_at, staged_at + 120):  # evicting (64 pages): commits, removals, frees, pins
         store_family(holds, later)
         if later % 7 == 0:
             store.pin_keys([next(iter(store.entries))])
         same(store, after_a_kill(name, half, VERSION, geometry))
-    assert journal.staging is not None and len(journal.staging.since) > 200 and writer.compactions == 0
+    assert journal.staging is not None and len(journal.staging.since) > 300 and writer.compactions == 0
     assert store.pinned_pages and store.metrics.evictions.labels("l1", "capacity")._value.get() > 10
     journal.gate.set()
     journal.staging.done.wait()
+    assert journal.staging.copied > 256  # the worker copied the records since, too
     same(store, after_a_kill(name, half, VERSION, geometry))  # written, not switched to
     active = journal.active
-    store_family(holds, staged_at + 200)  # the first append after the worker is done switches
+    store_family(holds, staged_at + 300)  # the first append after the worker is done switches
     assert writer.compactions == 1 and journal.active != active  # (the records since may start another)
     same(store, after_a_kill(name, half, VERSION, geometry))
     same(store, journal)
