@@ -45,9 +45,10 @@ import os
 import struct
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import islice
 
 import numpy as np
 import xxhash
@@ -244,9 +245,10 @@ class Journal:
         self.segment.give_back([(self._base(old), self._base(old) + self.half)])  # the old half's memory
         self.reserved[old] = 0
 
-    def stage(self, parts: list[bytes]) -> Staging:
-        """Start writing the snapshot `parts` (framed records, in order) into the other half on the worker;
-        `switch` makes it the log once `done`. The caller must not change `parts` meanwhile."""
+    def stage(self, parts: Iterable[bytes]) -> Staging:
+        """Start writing the snapshot `parts` (framed records, in order; iterated on the worker) into the other
+        half; `switch` makes it the log once `done`. The caller must not change what `parts` iterates until
+        then."""
         if self.staging is not None:
             raise RuntimeError("a snapshot is already being staged")
         staging = Staging(1 - self.active)
@@ -301,19 +303,19 @@ class Journal:
             job.exception()
         self._jobs = []
 
-    def _write_staged(self, staging: Staging, parts: list[bytes]) -> None:
+    def _write_staged(self, staging: Staging, parts: Iterable[bytes]) -> None:
         """On the worker: the snapshot into `staging.half`, JOIN_STEP records at a time, each piece's memory
         reserved before it is stored to (a join and a copy hold the GIL only briefly; a reservation lets go);
         then, while many have come, the records appended since, so that the switch has few left to copy."""
         try:
             base = self._base(staging.half)
-            at = self._write_pieces(staging, base, 0, parts)
+            at = self._write_pieces(base, 0, parts)
             staging.length = at
             for _ in range(CATCH_UP_ROUNDS):
                 since = staging.since[staging.copied :]  # (the loop appends to the list meanwhile)
                 if len(since) <= CATCH_UP_LEFT:
                     break
-                at = self._write_pieces(staging, base, at, since)
+                at = self._write_pieces(base, at, since)
                 staging.copied += len(since)
             stop = min(self.half, at + RESERVE_STEP)  # for the records that follow it
             if stop > at:
@@ -328,13 +330,14 @@ class Journal:
         finally:
             staging.done.set()
 
-    def _write_pieces(self, staging: Staging, base: int, at: int, records: list[bytes]) -> int:
+    def _write_pieces(self, base: int, at: int, records: Iterable[bytes]) -> int:
         """Write `records` from byte `at` of the half at `base`; returns where they end."""
-        for i in range(0, len(records), JOIN_STEP):
-            data = b"".join(records[i : i + JOIN_STEP])
+        records = iter(records)
+        while batch := list(islice(records, JOIN_STEP)):
+            data = b"".join(batch)
             if at + len(data) > self.half:
                 raise _NoFit(f"a snapshot of over {at + len(data)} bytes does not fit a half of {self.half}")
-            if data:
+            if data:  # (posix_fallocate refuses an empty range)
                 _back(self.segment, base + at, len(data))
                 self._buf[base + at : base + at + len(data)] = data
                 at += len(data)

@@ -44,6 +44,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -99,6 +100,10 @@ class L1Journal:
         self.metrics = metrics
         self.slack = slack
         self.live: dict[bytes, bytes] = {}  # key -> its COMMIT record, in commit order
+        # While the worker reads `live` (a staged snapshot) it is not changed: commits and removals go here, and
+        # are merged into it when the staging ends.
+        self._added: dict[bytes, bytes] | None = None
+        self._gone: set[bytes] = set()
         self.pins: dict[bytes, bytes] = {}  # key of a pinned live entry -> its last PIN record
         self.ns_records: dict[bytes, bytes] = {}  # fingerprint -> its NAMESPACE record, once written
         self.ns_refs: dict[bytes, int] = {}  # fingerprint -> live entries
@@ -138,7 +143,10 @@ class L1Journal:
             self.ns_records[entry.ns] = record
         record = frame(COMMIT, _pack((entry.key, entry.ns, entry.size, entry.blocks, entry.aliases, entry.extents)))
         self._append(record)
-        self.live[entry.key] = record
+        if self._added is None:
+            self.live[entry.key] = record
+        else:
+            self._added[entry.key] = record
         self.pins.pop(entry.key, None)
         self.unheld.pop(entry.extents[0], None)
 
@@ -154,7 +162,14 @@ class L1Journal:
     def removed(self, entry: Entry) -> None:
         self._append(frame(REMOVE, _pack(entry.key)))
         self.pins.pop(entry.key, None)
-        if self.live.pop(entry.key, None) is not None:
+        if self._added is None:
+            was_live = self.live.pop(entry.key, None) is not None
+        else:
+            was_live = self._added.pop(entry.key, None) is not None
+            if entry.key in self.live and entry.key not in self._gone:
+                self._gone.add(entry.key)
+                was_live = True
+        if was_live:
             self.ns_refs[entry.ns] -= 1
             if not self.ns_refs[entry.ns]:
                 del self.ns_refs[entry.ns]
@@ -199,10 +214,22 @@ class L1Journal:
             self._fail(f"a record of {len(record)} bytes does not fit after a compaction")
 
     def stage(self) -> None:
-        """Start a compaction off the loop: the live state captured now, written into the other half by the
+        """Start a compaction off the loop: the live state captured now (`live` as it is: the worker reads it
+        while commits and removals wait beside it; the rest copied), written into the other half by the
         journal's worker, switched to at the first append after it is done."""
         if not self.failed and self.journal.staging is None:
-            self.journal.stage(self._parts())
+            self.ns_records = {fp: r for fp, r in self.ns_records.items() if fp in self.ns_refs}
+            self._added, self._gone = {}, set()
+            self.journal.stage(chain(list(self.ns_records.values()), self.live.values(), list(self.pins.values()),
+                                     [u.record() for u in self.unheld.values()]))
+
+    def _merge(self) -> None:
+        """The staging is over: what waited beside `live` goes into it."""
+        if self._added is not None:
+            for key in self._gone:
+                del self.live[key]
+            self.live.update(self._added)
+            self._added, self._gone = None, set()
 
     def _switch(self) -> None:
         """Make the staged snapshot the log; if it cannot be (it and the records since do not fit), compact on
@@ -210,7 +237,9 @@ class L1Journal:
         journal = self.journal
         staging = journal.staging
         assert staging is not None
-        if journal.switch():
+        switched = journal.switch()
+        self._merge()
+        if switched:
             self._compacted(staging.length)  # (the records since count as the log's growth)
         elif journal.lost:
             self._fail(f"the journal ran out of room ({journal.lost})")
@@ -233,6 +262,7 @@ class L1Journal:
         if self.failed:
             return
         self.journal.drop_staging()
+        self._merge()
         if order is not None:
             ranked = {key: self.live[key] for key in order if key in self.live}
             self.live = ranked | self.live  # keys the order missed keep their place after it

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import random
 import threading
+from collections.abc import Iterable
 
 import msgpack
 import numpy as np
@@ -56,11 +57,11 @@ class RecordingJournal(Journal):
     _left = 0
     _gate = threading.Event()
 
-    def stage(self, parts: list[bytes]) -> Staging:
+    def stage(self, parts: Iterable[bytes]) -> Staging:
         self._gate, self._left = threading.Event(), self.let_through()
         return super().stage(parts)
 
-    def _write_staged(self, staging: Staging, parts: list[bytes]) -> None:
+    def _write_staged(self, staging: Staging, parts: Iterable[bytes]) -> None:
         self._gate.wait()
         super()._write_staged(staging, parts)
 
