@@ -16,19 +16,16 @@ pytestmark = pytest.mark.integration
 
 _STAGE_WITHOUT_ROOM = """
 import os, sys
-from kvtier.shm.journal import RESERVE_STEP, Journal, frame, journal_bytes
+from kvtier.shm.journal import Journal, frame, journal_bytes
 from kvtier.shm.segment import Segment
 point = sys.argv[1]
 seg = Segment.create("kvtier-stage.journal", journal_bytes(4 << 20), 0o600, point)
 j = Journal.create(seg, 1, (1, 2, 3, 4))
 for _ in range(100):
     assert j.append(frame(2, bytes(1000)))  # within the first reserved step
-fd = os.open(os.path.join(point, "filler"), os.O_WRONLY | os.O_CREAT)  # someone else fills the tmpfs
-try:
-    while True:
-        os.write(fd, bytes(1 << 16))
-except OSError:
-    pass
+room = os.statvfs(point)
+filler = os.open(os.path.join(point, "filler"), os.O_WRONLY | os.O_CREAT)
+os.posix_fallocate(filler, 0, room.f_bavail * room.f_frsize)  # someone else takes what is left of the tmpfs
 j.stage([frame(1, bytes(1000)) for _ in range(2000)])  # a 2 MB snapshot: no room to reserve it
 appended = j.append(frame(2, b"while staging"))
 print(j.switch(), appended, j.lost, bytes(seg.buf[0:4]) == bytes(4), j.append(frame(2, b"after")), sep="|")

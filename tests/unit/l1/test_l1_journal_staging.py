@@ -9,14 +9,9 @@ The worker is held at a gate (a subclass's `_write_staged` waits for it) to put 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
-import random
 import shutil
-import signal
-import struct
 import threading
-import time
 import uuid
 from collections.abc import Iterable, Iterator
 
@@ -133,56 +128,6 @@ def test_a_switch_that_does_not_fit_changes_nothing(name):
     j.stage([frame(SNAPSHOT, bytes(half + 1))])
     assert not j.switch() and not j.lost and j.length == length  # the worker refused it
     j.close(keep=False)
-
-
-# -- killed at random instants while staging and switching ---------------------------------------
-
-
-def _state(journal: Journal) -> int:
-    """The writer's counter as the journal tells it: a SNAPSHOT sets it, each STEP must add exactly one."""
-    count = 0
-    for rtype, payload, _ in journal.records():
-        value, = struct.unpack_from("<Q", payload)
-        assert rtype == SNAPSHOT or value == count + 1, f"record {value} after {count}: a step lost or repeated"
-        count = value
-    return count
-
-
-def _writer(name: str, half: int, seed: int) -> None:
-    """Count up for ever: a STEP record per number; past half a half, a SNAPSHOT of the count so far (padded,
-    in many parts) staged, switched to at the first append after the worker is done (or when the half is
-    full)."""
-    journal = reopen(name, half)
-    count = _state(journal)
-    rng = random.Random(seed)
-    while True:
-        count += 1
-        record = frame(STEP, struct.pack("<Q", count) + bytes(rng.randrange(0, 3000)))
-        if journal.staging is not None and journal.staging.done.is_set():
-            assert journal.switch()
-        elif journal.staging is None and journal.length > half // 2:
-            journal.stage([frame(SNAPSHOT, struct.pack("<Q", count - 1) + bytes(20_000)), *[b""] * 10_000])
-        if not journal.append(record):
-            assert journal.switch() and journal.append(record)
-
-
-def test_a_writer_killed_while_staging_or_switching_leaves_a_journal_that_replays_to_a_prefix(name):
-    half = 256 * 1024
-    Journal.create(Segment.create(name, journal_bytes(half)), 1, GEOMETRY).close()
-    fork = multiprocessing.get_context("fork")
-    rng = random.Random(0)
-    counts = [0]
-    for i in range(30):
-        child = fork.Process(target=_writer, args=(name, half, i))
-        child.start()
-        time.sleep(rng.uniform(0.02, 0.08))
-        os.kill(child.pid, signal.SIGKILL)
-        child.join()
-        journal = reopen(name, half)
-        counts.append(_state(journal))  # raises on a torn, lost or repeated record
-        journal.close()
-        assert counts[-1] >= counts[-2]
-    assert counts[-1] > 1000  # the writer got somewhere: the kills landed in a busy log
 
 
 # -- L1Journal: the serving loop stages, appends on, switches --------------------------------------
