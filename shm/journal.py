@@ -68,7 +68,8 @@ RECORD_OVERHEAD = _HEAD.size + _SUM.size
 _ACTIVE = 1 << 63
 RESERVE_STEP = 1 << 20  # bytes of a half reserved at a time ahead of the writes
 JOIN_STEP = 4096  # records the worker joins and copies at once: the GIL is held for each join and copy
-CATCH_UP_ROUNDS, CATCH_UP_LEFT = 8, 256  # the worker copies the records since while more than 256 are left
+CATCH_UP_LEFT = 256  # the worker copies the records appended since the snapshot while more are left
+STAGE_RESERVE_STEP = 16 << 20  # bytes of the staging half the worker reserves at a time
 GIVE_BACK_STEP = 4 << 20  # bytes of a half the worker gives back at once (the GIL is held for each)
 
 
@@ -304,23 +305,17 @@ class Journal:
         self._jobs = []
 
     def _write_staged(self, staging: Staging, parts: Iterable[bytes]) -> None:
-        """On the worker: the snapshot into `staging.half`, JOIN_STEP records at a time, each piece's memory
-        reserved before it is stored to (a join and a copy hold the GIL only briefly; a reservation lets go);
-        then, while many have come, the records appended since, so that the switch has few left to copy."""
+        """On the worker: the snapshot into `staging.half`, JOIN_STEP records at a time; then, while more than
+        CATCH_UP_LEFT have come, the records appended since, so that the switch has few left to copy (should
+        the loop outpace this, the half fills and the loop waits for it in `switch`)."""
         try:
-            base = self._base(staging.half)
-            at = self._write_pieces(base, 0, parts)
+            at = self._write_pieces(staging, 0, parts)
             staging.length = at
-            for _ in range(CATCH_UP_ROUNDS):
+            while len(staging.since) - staging.copied > CATCH_UP_LEFT:
                 since = staging.since[staging.copied :]  # (the loop appends to the list meanwhile)
-                if len(since) <= CATCH_UP_LEFT:
-                    break
-                at = self._write_pieces(base, at, since)
+                at = self._write_pieces(staging, at, since)
                 staging.copied += len(since)
-            stop = min(self.half, at + RESERVE_STEP)  # for the records that follow it
-            if stop > at:
-                _back(self.segment, base + at, stop - at)
-            staging.written, staging.reserved = at, stop
+            staging.written = at
         except OSError as exc:
             staging.error, staging.lost = exc.strerror or str(exc), True
         except _NoFit as exc:
@@ -330,17 +325,22 @@ class Journal:
         finally:
             staging.done.set()
 
-    def _write_pieces(self, base: int, at: int, records: Iterable[bytes]) -> int:
-        """Write `records` from byte `at` of the half at `base`; returns where they end."""
+    def _write_pieces(self, staging: Staging, at: int, records: Iterable[bytes]) -> int:
+        """Write `records` from byte `at` of the staging half, their memory reserved first; returns where they
+        end. (Each join and copy holds the GIL briefly; a large join and a reservation let it go.)"""
+        base = self._base(staging.half)
         records = iter(records)
         while batch := list(islice(records, JOIN_STEP)):
             data = b"".join(batch)
-            if at + len(data) > self.half:
-                raise _NoFit(f"a snapshot of over {at + len(data)} bytes does not fit a half of {self.half}")
-            if data:  # (posix_fallocate refuses an empty range)
-                _back(self.segment, base + at, len(data))
-                self._buf[base + at : base + at + len(data)] = data
-                at += len(data)
+            end = at + len(data)
+            if end > self.half:
+                raise _NoFit(f"a snapshot of over {end} bytes does not fit a half of {self.half}")
+            if end > staging.reserved:  # reserved ahead in large steps: fewer calls, each lets the GIL go
+                stop = min(self.half, max(end, staging.reserved + STAGE_RESERVE_STEP))
+                _back(self.segment, base + staging.reserved, stop - staging.reserved)
+                staging.reserved = stop
+            self._buf[base + at : base + end] = data
+            at = end
         return at
 
     def _give_back(self, ranges: list[tuple[int, int]]) -> None:

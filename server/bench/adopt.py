@@ -15,18 +15,21 @@
   live records, then goes on storing chunks, one evicting another, while the worker writes the snapshot;
   the store that finds it written switches). Reported: the longest the loop was held per compaction (the
   capture, the slowest store while the worker ran, the store that switched) against the slowest store of as
-  many with no compaction running (the baseline: the GIL and this machine's noise).
+  many with no compaction running (the baseline: the GIL and this machine's noise). A store inside which the
+  garbage collector made a full pass (a pause of every Python object's, not the journal's) is counted apart.
   `--compaction-only` runs this part alone, without adoption: for L1 sizes this machine cannot serve.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import signal
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,6 +38,7 @@ from kvtier.server.bench import common as bc
 from kvtier.server.eviction import make_policy
 from kvtier.server.keys import ChunkKeys, Namespace, chunk_keys
 from kvtier.server.l1.adopt import L1Files, OpenedL1, open_l1
+from kvtier.server.l1.journal import L1Journal
 from kvtier.server.l1.store import Entry, L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.shm.segment import SHM_DIR
@@ -208,53 +212,77 @@ def _store_one(store: L1Store, ns: bytes, keys: list[bytes], size: int) -> None:
     store.insert(Entry(keys[-1], ns, size, len(keys), extents, tuple(keys[:-1])))
 
 
+class _FullCollections:
+    """Counts the cyclic garbage collector's full passes: a pause of their own (of every Python object), not
+    the journal's, reported apart from the stores they landed in."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            self.count += 1
+
+
 def compaction_stall(opened: OpenedL1, ns: bytes, blocks: int, size: int, rng: np.random.Generator) -> dict:
     """Milliseconds the serving loop is held by a compaction of a full L1, on the loop and off it."""
     writer = opened.journal
     assert writer is not None
-    on_loop = []
-    for _ in range(3):
-        started = time.perf_counter()
-        writer.compact()
-        on_loop.append(time.perf_counter() - started)
-    snapshot_bytes = writer.journal.length
+    full = _FullCollections()
+    gc.callbacks.append(full)
+    try:
+        return _stall_rounds(opened, writer, ns, blocks, size, rng, full)
+    finally:
+        gc.callbacks.remove(full)
 
-    def timed_store() -> float:
+
+def _stall_rounds(opened: OpenedL1, writer: L1Journal, ns: bytes, blocks: int, size: int,
+                  rng: np.random.Generator, full: _FullCollections) -> dict:
+    def timed(fn: Callable[[], object]) -> tuple[float, bool]:
+        """Seconds `fn` took, and whether a full collection ran inside it."""
+        count, started = full.count, time.perf_counter()
+        fn()
+        return time.perf_counter() - started, full.count != count
+
+    def store() -> None:
         keys = [bytes(k) for k in rng.integers(0, 256, (blocks, 16), dtype=np.uint8)]
-        started = time.perf_counter()
-        _store_one(opened.store, ns, keys, size)
-        return time.perf_counter() - started
+        _store_one(opened.store, ns, keys, size)  # (the keys' cost is in the timing: baseline and during alike)
 
+    on_loop = [timed(writer.compact) for _ in range(3)]
+    snapshot_bytes = writer.journal.length
     # every compaction below starts from a fresh snapshot: the stores that follow stay below the log's limit
-    rounds: list[dict[str, float]] = []
+    rounds: list[dict[str, Any]] = []
     for _ in range(3):
         writer.compact()
-        baseline = [timed_store() for _ in range(2000)]
+        baseline = [timed(store) for _ in range(2000)]
         compactions = writer.compactions
+        capture = timed(writer.stage)
         started = time.perf_counter()
-        writer.stage()
-        capture = time.perf_counter() - started
-        during: list[float] = []
+        during = []
         while writer.compactions == compactions:
-            during.append(timed_store())
-        until_switch = time.perf_counter() - started
-        rounds.append({"capture": capture, "slowest_store_during": max(during[:-1], default=0.0),
-                       "switch_store": during[-1], "stores_during": len(during), "until_switch": until_switch,
-                       "baseline_slowest": max(baseline), "baseline_p99": float(np.percentile(baseline, 99))})
-    held = [max(r["capture"], r["slowest_store_during"], r["switch_store"]) for r in rounds]
-    def ms(xs: list[float]) -> list[float]:
-        return [round(x * 1e3, 2) for x in xs]
+            during.append(timed(store))
+        rounds.append({"capture": capture, "during": during[:-1], "switch": during[-1], "baseline": baseline,
+                       "until_switch": time.perf_counter() - started})
 
+    def ms(x: float) -> float:
+        return round(x * 1e3, 2)
+
+    def slowest(stores: list[tuple[float, bool]]) -> float:
+        return ms(max((t for t, gc_pass in stores if not gc_pass), default=0.0))
+
+    held = [slowest([r["capture"], *r["during"], r["switch"]]) for r in rounds]
+    gc_stores = [t for r in rounds for t, gc_pass in [*r["during"], r["switch"], *r["baseline"]] if gc_pass]
     return {"snapshot_bytes": snapshot_bytes,
-            "on_loop_ms": ms(on_loop), "off_loop_held_ms": ms(held),
-            "off_loop_capture_ms": ms([r["capture"] for r in rounds]),
-            "off_loop_slowest_store_ms": ms([r["slowest_store_during"] for r in rounds]),
-            "off_loop_switch_store_ms": ms([r["switch_store"] for r in rounds]),
-            "off_loop_until_switch_ms": ms([r["until_switch"] for r in rounds]),
-            "stores_during": [int(r["stores_during"]) for r in rounds],
-            "baseline_slowest_store_ms": ms([r["baseline_slowest"] for r in rounds]),
-            "baseline_p99_store_ms": ms([r["baseline_p99"] for r in rounds]),
-            "ratio_held_on_vs_off": round(max(on_loop) / max(held), 1)}
+            "on_loop_ms": [ms(t) for t, _ in on_loop], "off_loop_held_ms": held,
+            "off_loop_capture_ms": [ms(r["capture"][0]) for r in rounds],
+            "off_loop_slowest_store_ms": [slowest(r["during"]) for r in rounds],
+            "off_loop_switch_store_ms": [ms(r["switch"][0]) for r in rounds],
+            "off_loop_until_switch_ms": [ms(r["until_switch"]) for r in rounds],
+            "stores_during": [len(r["during"]) + 1 for r in rounds],
+            "baseline_slowest_store_ms": [slowest(r["baseline"]) for r in rounds],
+            "baseline_p99_store_ms": [ms(float(np.percentile([t for t, _ in r["baseline"]], 99))) for r in rounds],
+            "stores_with_a_full_gc_pass": len(gc_stores), "full_gc_store_ms": ms(max(gc_stores, default=0.0)),
+            "ratio_held_on_vs_off": round(max(ms(t) for t, _ in on_loop) / max(max(held), 0.01), 1)}
 
 
 def _text(r: dict[str, Any]) -> str:
@@ -277,7 +305,8 @@ def _text(r: dict[str, Any]) -> str:
                 f"snapshot): compaction holds the loop {m['on_loop_ms']} ms on it, {m['off_loop_held_ms']} ms "
                 f"off it (capture {m['off_loop_capture_ms']}, slowest store meanwhile "
                 f"{m['off_loop_slowest_store_ms']}, switch {m['off_loop_switch_store_ms']}; switched after "
-                f"{m['off_loop_until_switch_ms']} ms; slowest store without compaction {m['baseline_slowest_store_ms']})")
+                f"{m['off_loop_until_switch_ms']} ms; slowest store without compaction {m['baseline_slowest_store_ms']}; "
+                f"{m['stores_with_a_full_gc_pass']} stores with a full GC pass, apart: up to {m['full_gc_store_ms']} ms)")
         if "adoption_s" in m:
             line += f", adoption {m['adoption_s']} s"
         lines.append(line)
