@@ -231,13 +231,19 @@ def compaction_stall(opened: OpenedL1, ns: bytes, blocks: int, size: int, rng: n
     full = _FullCollections()
     gc.callbacks.append(full)
     try:
-        return _stall_rounds(opened, writer, ns, blocks, size, rng, full)
+        out = _stall_rounds(opened, writer, ns, blocks, size, rng, full, 0.0)
+        out["paced"] = _stall_rounds(opened, writer, ns, blocks, size, rng, full, PACE_S)
+        return out
     finally:
         gc.callbacks.remove(full)
 
 
+PACE_S = 100e-6  # the paced rounds' wait between stores: a loop busy about half the time, as between requests
+
+
 def _stall_rounds(opened: OpenedL1, writer: L1Journal, ns: bytes, blocks: int, size: int,
-                  rng: np.random.Generator, full: _FullCollections) -> dict:
+                  rng: np.random.Generator, full: _FullCollections, pace_s: float) -> dict:
+    """Three compactions on the loop, then three off it with stores `pace_s` apart (0: back to back)."""
     def timed(fn: Callable[[], object]) -> tuple[float, bool]:
         """Seconds `fn` took, and whether a full collection ran inside it."""
         count, started = full.count, time.perf_counter()
@@ -260,6 +266,8 @@ def _stall_rounds(opened: OpenedL1, writer: L1Journal, ns: bytes, blocks: int, s
         started = time.perf_counter()
         during = []
         while writer.compactions == compactions:
+            if pace_s:
+                time.sleep(pace_s)  # (the loop waiting for a request: the GIL is free)
             during.append(timed(store))
         rounds.append({"capture": capture, "during": during[:-1], "switch": during[-1], "baseline": baseline,
                        "until_switch": time.perf_counter() - started})
@@ -309,5 +317,8 @@ def _text(r: dict[str, Any]) -> str:
                 f"{m['stores_with_a_full_gc_pass']} stores with a full GC pass, apart: up to {m['full_gc_store_ms']} ms)")
         if "adoption_s" in m:
             line += f", adoption {m['adoption_s']} s"
-        lines.append(line)
+        p = m["paced"]
+        lines += [line, f"    paced ({PACE_S * 1e6:g} us between stores): {p['on_loop_ms']} ms on the loop, "
+                        f"{p['off_loop_held_ms']} ms off it (switch {p['off_loop_switch_store_ms']}; switched after "
+                        f"{p['off_loop_until_switch_ms']} ms)"]
     return "\n".join(lines)
