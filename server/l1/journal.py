@@ -52,7 +52,7 @@ import numpy as np
 from kvtier.server.keys import KEY_BYTES, MAX_NS_STR, Namespace
 from kvtier.server.l1.pool import Extents, from_extents, to_extents
 from kvtier.server.metrics import Metrics
-from kvtier.shm.journal import RECORD_OVERHEAD, Journal, JournalDamaged, frame
+from kvtier.shm.journal import RECORD_OVERHEAD, Journal, JournalDamaged, Staging, frame
 
 if TYPE_CHECKING:
     from kvtier.server.l1.store import Entry
@@ -63,6 +63,7 @@ VERSION = 3  # the records' format; a journal of another version is never adopte
 # 2: without PIN)
 NAMESPACE, COMMIT, REMOVE, ALLOC, FREE, PIN = 1, 2, 3, 4, 5, 6
 SLACK = 1 << 20
+GIVE_WAY_EVERY, GIVE_WAY_S = 64, 0.001  # see L1Journal._give_way
 MAX_NAMESPACES = 4096  # store.MAX_NAMESPACES (not imported: store imports this module)
 # Upper bounds of encoded sizes, for half_bytes: a record's fixed part, each extent pair, each alias, and a
 # namespace (five strings of MAX_NS_STR characters of up to 4 UTF-8 bytes, seven integers, twelve names).
@@ -104,6 +105,7 @@ class L1Journal:
         # are merged into it when the staging ends.
         self._added: dict[bytes, bytes] | None = None
         self._gone: set[bytes] = set()
+        self._appends_staged = 0
         self.pins: dict[bytes, bytes] = {}  # key of a pinned live entry -> its last PIN record
         self.ns_records: dict[bytes, bytes] = {}  # fingerprint -> its NAMESPACE record, once written
         self.ns_refs: dict[bytes, int] = {}  # fingerprint -> live entries
@@ -196,9 +198,11 @@ class L1Journal:
         journal = self.journal
         if self.failed:
             return
-        if journal.staging is not None and journal.staging.done.is_set():
-            self._switch()
-        elif journal.staging is None and journal.length + len(record) > self._limit:
+        if journal.staging is not None:
+            self._give_way(journal.staging)
+            if journal.staging.done.is_set():
+                self._switch()
+        elif journal.length + len(record) > self._limit:
             self.stage()
         if self.failed or journal.append(record):
             return
@@ -230,6 +234,14 @@ class L1Journal:
                 del self.live[key]
             self.live.update(self._added)
             self._added, self._gone = None, set()
+
+    def _give_way(self, staging: Staging) -> None:
+        """Every GIVE_WAY_EVERY appends while the worker writes, let it run for up to GIVE_WAY_S (the loop
+        waits on it, the GIL free): a loop that never waits (stores back to back) would otherwise leave it the
+        GIL only at the interpreter's switch interval, and the staging, and what the switch must merge, grow."""
+        self._appends_staged += 1
+        if self._appends_staged % GIVE_WAY_EVERY == 0:
+            staging.done.wait(GIVE_WAY_S)
 
     def _switch(self) -> None:
         """Make the staged snapshot the log; if it cannot be (it and the records since do not fit), compact on
