@@ -18,11 +18,11 @@ before the flip, the active half is untouched. The old half's memory is then giv
 
 `stage` and `switch` compact without holding the writer up: `stage` hands a snapshot (its records, captured
 by the caller) to a worker thread that writes it into the other half, while `append` goes on committing to
-the active half and keeps a copy of each record it appends; `switch`, once the worker is done, writes those
-copies after the snapshot (the worker, once the snapshot is written, copies those that came meanwhile too, so
-that few are left for the switch) and flips the word: the commit point, as in `rewrite`. Killed at any instant before
-the flip, the active half holds every record; after it, the new half holds the snapshot and every record
-appended since it was captured. The worker also gives the old half's memory back, after the flip.
+the active half and keeps a copy of each record it appends; the worker, the snapshot written, copies most of
+those after it too; `switch`, once the worker is done, copies the rest and flips the word: the commit point,
+as in `rewrite`. Killed at any instant before the flip, the active half holds every record; after it, the new
+half holds the snapshot and every record appended since it was captured. The worker also gives the old
+half's memory back, after the flip.
 
 The file is sparse, so a store into a page the tmpfs has no room for would be SIGBUS. No byte is stored
 before its pages are reserved (`posix_fallocate`, RESERVE_STEP at a time): a reservation refused (ENOSPC, the

@@ -29,11 +29,12 @@ drops that entry: never wrong bytes.
 
 Compaction: when the active half holds twice the last snapshot plus `SLACK`, a snapshot of the live state
 (the namespaces in use, the live COMMIT records, cached as written, a PIN per pinned entry, and an ALLOC per
-group of allocated pages no entry holds) replaces the log. The serving loop only captures it (a list of the
-cached records: one pointer copy per live record); the journal's worker writes it into the other half
-(shm/journal.py `stage`) while records go on being appended, and the next append after the worker is done
-switches to it (those records follow the snapshot there). Should the active half fill before that, the
-append waits for the worker; should the switch not fit, a compaction on the loop (`compact`) does the work.
+group of allocated pages no entry holds) replaces the log. The serving loop only starts it (`stage`): the
+journal's worker reads the live COMMIT records in place (commits and removals wait beside them meanwhile)
+and writes the snapshot into the other half (shm/journal.py `stage`) while records go on being appended; the
+next append after the worker is done switches to it (those records follow the snapshot there). Should the
+active half fill before that, the append waits for the worker; should the switch not fit, a compaction on
+the loop (`compact`) does the work.
 A half holds the largest snapshot the geometry allows (`half_bytes`) twice over, so a snapshot always fits.
 """
 
@@ -82,7 +83,8 @@ def half_bytes(num_pages: int, page_size: int, min_block_bytes: int) -> int:
     """Bytes of each journal half: twice the largest snapshot `num_pages` pages can need, plus SLACK.
 
     Every page belongs to at most one snapshot record (a COMMIT or an ALLOC), every extent pair holds a page,
-    every alias a block of at least `min_block_bytes`, every entry has at most one PIN, and only namespaces with an entry are written. The
+    every alias a block of at least `min_block_bytes`, every entry has at most one PIN, and only namespaces
+    with an entry are written. The
     file is sparse: memory is used by what is written, about twice the live records at most.
     """
     aliases = num_pages * page_size // min_block_bytes
@@ -153,7 +155,7 @@ class L1Journal:
         self.unheld.pop(entry.extents[0], None)
 
     def pinned(self, key: bytes, pins: int) -> None:
-        """The live entry `key` is about to hold `pins` pins."""
+        """The live entry `key` is about to hold `pins` pins (0: none; a snapshot then has no PIN for it)."""
         record = pin_record(key, pins)
         self._append(record)
         if pins:
@@ -222,10 +224,8 @@ class L1Journal:
         while commits and removals wait beside it; the rest copied), written into the other half by the
         journal's worker, switched to at the first append after it is done."""
         if not self.failed and self.journal.staging is None:
-            self.ns_records = {fp: r for fp, r in self.ns_records.items() if fp in self.ns_refs}
             self._added, self._gone = {}, set()
-            self.journal.stage(chain(list(self.ns_records.values()), self.live.values(), list(self.pins.values()),
-                                     [u.record() for u in self.unheld.values()]))
+            self.journal.stage(self._records())
 
     def _merge(self) -> None:
         """The staging is over: what waited beside `live` goes into it."""
@@ -258,14 +258,15 @@ class L1Journal:
         else:
             self.compact()
 
-    def _parts(self) -> list[bytes]:
-        """The live state as records: namespaces in use, entries in commit order and their pins, unheld pages."""
+    def _records(self) -> Iterator[bytes]:
+        """The live state as records: namespaces in use, entries in commit order, their pins, unheld pages
+        (`live` iterated in place, the rest copied now)."""
         self.ns_records = {fp: r for fp, r in self.ns_records.items() if fp in self.ns_refs}
-        return [*self.ns_records.values(), *self.live.values(), *self.pins.values(),
-                *(u.record() for u in self.unheld.values())]
+        return chain(list(self.ns_records.values()), self.live.values(), list(self.pins.values()),
+                     [u.record() for u in self.unheld.values()])
 
     def snapshot(self) -> bytes:
-        return b"".join(self._parts())
+        return b"".join(self._records())
 
     def compact(self, order: list[bytes] | None = None) -> None:
         """Replace the log by a snapshot, here and now (a staged one is dropped); `order` (keys, coldest first:

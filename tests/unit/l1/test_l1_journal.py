@@ -320,6 +320,7 @@ def test_worst_case_records_stay_within_the_bounds_the_halves_are_sized_by():
     assert len(commit) <= j._ENTRY_MAX + pairs * j._EXTENT_MAX + len(aliases) * j._ALIAS_MAX
     record = j.Unheld(extents, "f" * 32, (1 << 64) - 1).record()
     assert len(record) <= j._ENTRY_MAX + pairs * j._EXTENT_MAX + j._WRITER_MAX
+    assert len(j.pin_record(b"k" * 16, (1 << 64) - 1)) <= j._PIN_MAX
 
 
 # -- replay of hand-written journals -------------------------------------------------------------
