@@ -8,19 +8,28 @@
 * store path: reserve + commit of one-page chunks (no bytes copied: the bookkeeping alone) in batches of 256
   through KVTierClient, past L1's capacity so that stores evict, on a server with the journal
   (`--l1-adopt`) and one without (`--no-l1-adopt`), rounds alternating; microseconds per chunk.
-* in process: compaction (the snapshot written when the log is full: the serving loop waits for it) and
-  adoption (replay and rebuild of index, pool and policy) of an L1 of the same size holding `--l1-gb` /
-  `--chunk-mb` chunks and, the most an L1 of that size can hold, one chunk per page.
+* in process: compaction and adoption (replay and rebuild of index, pool and policy) of an L1 of the same
+  size holding `--l1-gb` / `--chunk-mb` chunks and, the most an L1 of that size can hold, one chunk per page.
+  Compaction both ways, in the same run: on the loop (`L1Journal.compact`, what every compaction did before
+  the worker: the loop waits for the whole snapshot) and off it (`L1Journal.stage`: the loop captures the
+  live records, then goes on storing chunks, one evicting another, while the worker writes the snapshot;
+  the store that finds it written switches). Reported: the longest the loop was held per compaction (the
+  capture, the slowest store while the worker ran, the store that switched) against the slowest store of as
+  many with no compaction running (the baseline: the GIL and this machine's noise). A store inside which the
+  garbage collector made a full pass (a pause of every Python object's, not the journal's) is counted apart.
+  `--compaction-only` runs this part alone, without adoption: for L1 sizes this machine cannot serve.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import re
 import signal
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -28,8 +37,9 @@ from kvtier.connector.client import ClientConfig, KVTierClient
 from kvtier.server.bench import common as bc
 from kvtier.server.eviction import make_policy
 from kvtier.server.keys import ChunkKeys, Namespace, chunk_keys
-from kvtier.server.l1.adopt import L1Files, open_l1
-from kvtier.server.l1.store import Entry
+from kvtier.server.l1.adopt import L1Files, OpenedL1, open_l1
+from kvtier.server.l1.journal import L1Journal
+from kvtier.server.l1.store import Entry, L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.shm.segment import SHM_DIR
 
@@ -48,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store-chunks", type=int, default=50_000,
                         help="one-page chunks stored per store-path round (default 50,000, past a 1 GiB L1)")
     parser.add_argument("--rounds", type=int, default=3, help="store-path rounds per mode (default 3)")
+    parser.add_argument("--compaction-only", action="store_true",
+                        help="only the in-process compaction stall, old vs new (no server, no adoption)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -58,9 +70,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--chunk-mb must hold a page and --l1-gb two chunks")
     result: dict[str, Any] = {"bench": "adopt", "machine": bc.machine(), "l1_gb": args.l1_gb,
                               "chunk_mb": args.chunk_mb, "page_size_kb": args.page_size_kb}
-    result["restart"] = restarts(args, chunk)
-    result["store_path"] = store_path(args)
-    result["in_process"] = in_process(args, l1, chunk)
+    if not args.compaction_only:
+        result["restart"] = restarts(args, chunk)
+        result["store_path"] = store_path(args)
+    result["in_process"] = in_process(args, l1, chunk, adopt=not args.compaction_only)
     bc.emit(result, args.json, _text(result))
     return 0
 
@@ -161,7 +174,7 @@ def store_path(args: argparse.Namespace) -> dict[str, Any]:
 # -- compaction and adoption in process -----------------------------------------------------------
 
 
-def in_process(args: argparse.Namespace, l1: int, chunk: int) -> dict[str, Any]:
+def in_process(args: argparse.Namespace, l1: int, chunk: int, adopt: bool = True) -> dict[str, Any]:
     page = args.page_size_kb * 1024
     pages = l1 // page
     out = {}
@@ -174,43 +187,138 @@ def in_process(args: argparse.Namespace, l1: int, chunk: int) -> dict[str, Any]:
         n = pages // per_chunk
         blocks = NS.blocks_per_chunk if per_chunk > 1 else 1  # (one-page chunks: the entry count, not aliases)
         for _ in range(n):
-            keys = [bytes(k) for k in rng.integers(0, 256, (blocks, 16), dtype=np.uint8)]
-            extents = store.begin_insert(keys[-1], per_chunk * page, None)
-            store.end_busy(keys[-1], None)
-            store.insert(Entry(keys[-1], ns, per_chunk * page, blocks, extents, tuple(keys[:-1])))
-        compact = []
-        for _ in range(3):
+            _store_one(store, ns, [bytes(k) for k in rng.integers(0, 256, (blocks, 16), dtype=np.uint8)],
+                       per_chunk * page)
+        m: dict[str, Any] = {"entries": n}
+        m.update(compaction_stall(opened, ns, blocks, per_chunk * page, rng))
+        if adopt:
+            opened.abandon()
             started = time.perf_counter()
-            opened.journal.compact()
-            compact.append(time.perf_counter() - started)
-        log_bytes = opened.journal.journal.length
-        opened.abandon()
-        started = time.perf_counter()
-        again = open_l1(files, pages, page, make_policy("lru"), Metrics(), adopt=True)
-        adopt_s = time.perf_counter() - started
-        assert again.adopted == n, again.outcome
-        again.store.clear()
-        again.close()  # empty: both files removed
-        out[label] = {"entries": n, "snapshot_bytes": log_bytes, "compaction_ms": round(min(compact) * 1e3, 2),
-                      "adoption_s": round(adopt_s, 3)}
+            again = open_l1(files, pages, page, make_policy("lru"), Metrics(), adopt=True)
+            m["adoption_s"] = round(time.perf_counter() - started, 3)
+            assert again.adopted == n, again.outcome
+            opened = again
+        opened.store.clear()
+        opened.close()  # empty: both files removed
+        out[label] = m
     return out
 
 
-def _text(r: dict[str, Any]) -> str:
-    rs, sp, ip = r["restart"], r["store_path"], r["in_process"]
-    lines = [f"kvtier bench adopt: L1 {r['l1_gb']} GiB of {r['chunk_mb']} MiB chunks ({rs['chunks']} stored in "
-             f"{rs['fill_s']} s), {r['page_size_kb']} KiB pages"]
-    for mode in ("sigterm", "sigkill"):
-        m = rs[mode]
-        lines.append(f"  restart after {mode}: ready {m['ready_s']} s, first hit {m['first_hit_s']} s, "
-                     f"{m['adopted']} chunks adopted in {m['adoption_s']} s")
-    lines.append(f"  cold start: ready {rs['cold']['ready_s']} s with --l1-discard (the old L1 freed first), "
-                 f"{rs['cold']['ready_nothing_to_remove_s']} s with nothing left to free")
-    us = sp["us_per_chunk"]
-    lines.append(f"  store path (reserve + commit, 1-page chunks, evicting): {us['journal']} us/chunk with the "
-                 f"journal, {us['no_journal']} without: {sp['ratio']}x")
-    for label, m in ip.items():
-        lines.append(f"  in process, {m['entries']} {label.replace('_', ' ')}: compaction {m['compaction_ms']} ms "
-                     f"({m['snapshot_bytes'] / MiB:.1f} MiB snapshot), adoption {m['adoption_s']} s")
-    return "\n".join(lines)
+def _store_one(store: L1Store, ns: bytes, keys: list[bytes], size: int) -> None:
+    """What a commit does to L1 (and its journal): pages (evicting the policy's victim when full), the entry."""
+    extents = store.begin_insert(keys[-1], size, None)
+    assert not isinstance(extents, str), extents
+    store.end_busy(keys[-1], None)
+    store.insert(Entry(keys[-1], ns, size, len(keys), extents, tuple(keys[:-1])))
 
+
+class _FullCollections:
+    """Counts the cyclic garbage collector's full passes: a pause of their own (of every Python object), not
+    the journal's, reported apart from the stores they landed in."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            self.count += 1
+
+
+def compaction_stall(opened: OpenedL1, ns: bytes, blocks: int, size: int, rng: np.random.Generator) -> dict:
+    """Milliseconds the serving loop is held by a compaction of a full L1, on the loop and off it."""
+    writer = opened.journal
+    assert writer is not None
+    full = _FullCollections()
+    gc.callbacks.append(full)
+    try:
+        out = _stall_rounds(opened, writer, ns, blocks, size, rng, full, 0.0)
+        out["paced"] = _stall_rounds(opened, writer, ns, blocks, size, rng, full, PACE_S)
+        return out
+    finally:
+        gc.callbacks.remove(full)
+
+
+PACE_S = 100e-6  # the paced rounds' wait between stores: a loop busy about half the time, as between requests
+
+
+def _stall_rounds(opened: OpenedL1, writer: L1Journal, ns: bytes, blocks: int, size: int,
+                  rng: np.random.Generator, full: _FullCollections, pace_s: float) -> dict:
+    """Three compactions on the loop, then three off it with stores `pace_s` apart (0: back to back)."""
+    def timed(fn: Callable[[], object]) -> tuple[float, bool]:
+        """Seconds `fn` took, and whether a full collection ran inside it."""
+        count, started = full.count, time.perf_counter()
+        fn()
+        return time.perf_counter() - started, full.count != count
+
+    def store() -> None:
+        keys = [bytes(k) for k in rng.integers(0, 256, (blocks, 16), dtype=np.uint8)]
+        _store_one(opened.store, ns, keys, size)  # (the keys' cost is in the timing: baseline and during alike)
+
+    on_loop = [timed(writer.compact) for _ in range(3)]
+    snapshot_bytes = writer.journal.length
+    # every compaction below starts from a fresh snapshot: the stores that follow stay below the log's limit
+    rounds: list[dict[str, Any]] = []
+    for _ in range(3):
+        writer.compact()
+        baseline = [timed(store) for _ in range(2000)]
+        compactions = writer.compactions
+        capture = timed(writer.stage)
+        started = time.perf_counter()
+        during = []
+        while writer.compactions == compactions:
+            if pace_s:
+                time.sleep(pace_s)  # (the loop waiting for a request: the GIL is free)
+            during.append(timed(store))
+        rounds.append({"capture": capture, "during": during[:-1], "switch": during[-1], "baseline": baseline,
+                       "until_switch": time.perf_counter() - started})
+
+    def ms(x: float) -> float:
+        return round(x * 1e3, 2)
+
+    def slowest(stores: list[tuple[float, bool]]) -> float:
+        return ms(max((t for t, gc_pass in stores if not gc_pass), default=0.0))
+
+    held = [slowest([r["capture"], *r["during"], r["switch"]]) for r in rounds]
+    gc_stores = [t for r in rounds for t, gc_pass in [*r["during"], r["switch"], *r["baseline"]] if gc_pass]
+    return {"snapshot_bytes": snapshot_bytes,
+            "on_loop_ms": [ms(t) for t, _ in on_loop], "off_loop_held_ms": held,
+            "off_loop_capture_ms": [ms(r["capture"][0]) for r in rounds],
+            "off_loop_slowest_store_ms": [slowest(r["during"]) for r in rounds],
+            "off_loop_switch_store_ms": [ms(r["switch"][0]) for r in rounds],
+            "off_loop_until_switch_ms": [ms(r["until_switch"]) for r in rounds],
+            "stores_during": [len(r["during"]) + 1 for r in rounds],
+            "baseline_slowest_store_ms": [slowest(r["baseline"]) for r in rounds],
+            "baseline_p99_store_ms": [ms(float(np.percentile([t for t, _ in r["baseline"]], 99))) for r in rounds],
+            "stores_with_a_full_gc_pass": len(gc_stores), "full_gc_store_ms": ms(max(gc_stores, default=0.0)),
+            "ratio_held_on_vs_off": round(max(ms(t) for t, _ in on_loop) / max(max(held), 0.01), 1)}
+
+
+def _text(r: dict[str, Any]) -> str:
+    ip = r["in_process"]
+    lines = [f"kvtier bench adopt: L1 {r['l1_gb']} GiB of {r['chunk_mb']} MiB chunks, {r['page_size_kb']} KiB pages"]
+    if "restart" in r:
+        rs, sp = r["restart"], r["store_path"]
+        lines[0] += f" ({rs['chunks']} stored in {rs['fill_s']} s)"
+        for mode in ("sigterm", "sigkill"):
+            m = rs[mode]
+            lines.append(f"  restart after {mode}: ready {m['ready_s']} s, first hit {m['first_hit_s']} s, "
+                         f"{m['adopted']} chunks adopted in {m['adoption_s']} s")
+        lines.append(f"  cold start: ready {rs['cold']['ready_s']} s with --l1-discard (the old L1 freed first), "
+                     f"{rs['cold']['ready_nothing_to_remove_s']} s with nothing left to free")
+        us = sp["us_per_chunk"]
+        lines.append(f"  store path (reserve + commit, 1-page chunks, evicting): {us['journal']} us/chunk with the "
+                     f"journal, {us['no_journal']} without: {sp['ratio']}x")
+    for label, m in ip.items():
+        line = (f"  in process, {m['entries']} {label.replace('_', ' ')} ({m['snapshot_bytes'] / MiB:.1f} MiB "
+                f"snapshot): compaction holds the loop {m['on_loop_ms']} ms on it, {m['off_loop_held_ms']} ms "
+                f"off it (capture {m['off_loop_capture_ms']}, slowest store meanwhile "
+                f"{m['off_loop_slowest_store_ms']}, switch {m['off_loop_switch_store_ms']}; switched after "
+                f"{m['off_loop_until_switch_ms']} ms; slowest store without compaction {m['baseline_slowest_store_ms']}; "
+                f"{m['stores_with_a_full_gc_pass']} stores with a full GC pass, apart: up to {m['full_gc_store_ms']} ms)")
+        if "adoption_s" in m:
+            line += f", adoption {m['adoption_s']} s"
+        p = m["paced"]
+        lines += [line, f"    paced ({PACE_S * 1e6:g} us between stores): {p['on_loop_ms']} ms on the loop, "
+                        f"{p['off_loop_held_ms']} ms off it (switch {p['off_loop_switch_store_ms']}; switched after "
+                        f"{p['off_loop_until_switch_ms']} ms)"]
+    return "\n".join(lines)

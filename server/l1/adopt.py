@@ -2,8 +2,8 @@
 
 A segment of the configured name whose owner lock is free, of the configured size, beside a journal of this
 version whose geometry (segment size, page size, page count, the segment's inode) matches and whose records
-all verify, is adopted: its namespaces, entries (in commit order, or the policy's order at a clean stop) and
-free pages come back; pages allocated to no entry (reservations and promotions in flight when the old daemon
+all verify, is adopted: its namespaces, entries (in commit order, or the policy's order at a clean stop) with
+their pins, and free pages come back; pages allocated to no entry (reservations and promotions in flight when the old daemon
 died, removed entries still being read) stay quarantined: those a client of the old daemon was writing until
 that client settles them or its lock file shows it gone (holds.py), the others until `quarantine_s` has passed.
 Anything else starts empty, and the old files are removed journal first: a journal never outlives the segment
@@ -153,7 +153,9 @@ def _adopt(files: L1Files, num_pages: int, page_size: int, half: int, policy: Ev
     for namespace in replayed.namespaces.values():
         store.register_namespace(namespace)
     for e in replayed.entries:  # commit order: the policy sees the oldest first
-        store.insert(Entry(e.key, e.ns, e.size, e.blocks, e.extents, e.aliases))
+        entry = store.insert(Entry(e.key, e.ns, e.size, e.blocks, e.extents, e.aliases))
+        if e.pins:  # before the next insert: a pinned partial is not superseded
+            store.hold(entry, 0, pins=e.pins)
     kept = [e for e in replayed.entries if store.entries.get(e.key) is not None]  # less superseded partials
     if unheld:
         store.keep_quarantined(replayed.groups, quarantine_until)

@@ -13,6 +13,8 @@ Records (msgpack payloads):
                                                         reservation ("", 0: no client writes them: a promotion,
                                                         a GPU copy)
     FREE       extents                                  before the pages rejoin the pool
+    PIN        key, pins                                before an entry's pin count changes (to `pins`); a
+                                                        REMOVE or a new COMMIT of the key ends its pins
 
 Every record is appended before its effect, so a daemon killed between the two leaves a journal that is
 behind on nothing that matters: a page it names as allocated may be free (it stays quarantined a while),
@@ -25,10 +27,15 @@ daemon died): those are quarantined, in groups by the client that may still writ
 contradicts a live entry's hold on its pages (a page allocated, freed or committed again while the entry lives)
 drops that entry: never wrong bytes.
 
-Compaction: when the active half holds twice the last snapshot plus `SLACK` (or is full), a snapshot of the
-live state (the namespaces in use, the live COMMIT records, cached as written, and an ALLOC per group of
-allocated pages no entry holds) replaces the log. A half holds the largest snapshot the geometry allows
-(`half_bytes`) twice over, so a snapshot always fits.
+Compaction: when the active half holds twice the last snapshot plus `SLACK`, a snapshot of the live state
+(the namespaces in use, the live COMMIT records, cached as written, a PIN per pinned entry, and an ALLOC per
+group of allocated pages no entry holds) replaces the log. The serving loop only starts it (`stage`): the
+journal's worker reads the live COMMIT records in place (commits and removals wait beside them meanwhile)
+and writes the snapshot into the other half (shm/journal.py `stage`) while records go on being appended; the
+next append after the worker is done switches to it (those records follow the snapshot there). Should the
+active half fill before that, the append waits for the worker; should the switch not fit, a compaction on
+the loop (`compact`) does the work.
+A half holds the largest snapshot the geometry allows (`half_bytes`) twice over, so a snapshot always fits.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import msgpack
@@ -45,20 +53,23 @@ import numpy as np
 from kvtier.server.keys import KEY_BYTES, MAX_NS_STR, Namespace
 from kvtier.server.l1.pool import Extents, from_extents, to_extents
 from kvtier.server.metrics import Metrics
-from kvtier.shm.journal import RECORD_OVERHEAD, Journal, JournalDamaged, frame
+from kvtier.shm.journal import RECORD_OVERHEAD, Journal, JournalDamaged, Staging, frame
 
 if TYPE_CHECKING:
     from kvtier.server.l1.store import Entry
 
 log = logging.getLogger("kvtier.server")
 
-VERSION = 2  # the records' format; a journal of another version is never adopted (1: ALLOC without its writer)
-NAMESPACE, COMMIT, REMOVE, ALLOC, FREE = 1, 2, 3, 4, 5
+VERSION = 3  # the records' format; a journal of another version is never adopted (1: ALLOC without its writer,
+# 2: without PIN)
+NAMESPACE, COMMIT, REMOVE, ALLOC, FREE, PIN = 1, 2, 3, 4, 5, 6
 SLACK = 1 << 20
+GIVE_WAY_EVERY, GIVE_WAY_S = 64, 0.001  # see L1Journal._give_way
 MAX_NAMESPACES = 4096  # store.MAX_NAMESPACES (not imported: store imports this module)
 # Upper bounds of encoded sizes, for half_bytes: a record's fixed part, each extent pair, each alias, and a
 # namespace (five strings of MAX_NS_STR characters of up to 4 UTF-8 bytes, seven integers, twelve names).
 _ENTRY_MAX = RECORD_OVERHEAD + 96
+_PIN_MAX = RECORD_OVERHEAD + KEY_BYTES + 2 + 9 + 1
 _EXTENT_MAX = 10
 _WRITER_MAX = 2 + 34 + 9  # an ALLOC's writer: its client's lock id (32 hex digits) and its reservation id
 _CLIENT_RE = re.compile(r"^([0-9a-f]{32})?$")
@@ -72,11 +83,12 @@ def half_bytes(num_pages: int, page_size: int, min_block_bytes: int) -> int:
     """Bytes of each journal half: twice the largest snapshot `num_pages` pages can need, plus SLACK.
 
     Every page belongs to at most one snapshot record (a COMMIT or an ALLOC), every extent pair holds a page,
-    every alias a block of at least `min_block_bytes`, and only namespaces with an entry are written. The
+    every alias a block of at least `min_block_bytes`, every entry has at most one PIN, and only namespaces
+    with an entry are written. The
     file is sparse: memory is used by what is written, about twice the live records at most.
     """
     aliases = num_pages * page_size // min_block_bytes
-    snapshot = (num_pages * (_ENTRY_MAX + _EXTENT_MAX + _WRITER_MAX) + aliases * _ALIAS_MAX
+    snapshot = (num_pages * (_ENTRY_MAX + _EXTENT_MAX + _WRITER_MAX + _PIN_MAX) + aliases * _ALIAS_MAX
                 + min(num_pages, MAX_NAMESPACES) * _NAMESPACE_MAX)
     return -(-(2 * snapshot + SLACK) // 4096) * 4096
 
@@ -91,6 +103,12 @@ class L1Journal:
         self.metrics = metrics
         self.slack = slack
         self.live: dict[bytes, bytes] = {}  # key -> its COMMIT record, in commit order
+        # While the worker reads `live` (a staged snapshot) it is not changed: commits and removals go here, and
+        # are merged into it when the staging ends.
+        self._added: dict[bytes, bytes] | None = None
+        self._gone: set[bytes] = set()
+        self._appends_staged = 0
+        self.pins: dict[bytes, bytes] = {}  # key of a pinned live entry -> its last PIN record
         self.ns_records: dict[bytes, bytes] = {}  # fingerprint -> its NAMESPACE record, once written
         self.ns_refs: dict[bytes, int] = {}  # fingerprint -> live entries
         self.unheld: dict[int, Unheld] = {}  # first page -> allocated extents no live entry holds
@@ -129,12 +147,33 @@ class L1Journal:
             self.ns_records[entry.ns] = record
         record = frame(COMMIT, _pack((entry.key, entry.ns, entry.size, entry.blocks, entry.aliases, entry.extents)))
         self._append(record)
-        self.live[entry.key] = record
+        if self._added is None:
+            self.live[entry.key] = record
+        else:
+            self._added[entry.key] = record
+        self.pins.pop(entry.key, None)
         self.unheld.pop(entry.extents[0], None)
+
+    def pinned(self, key: bytes, pins: int) -> None:
+        """The live entry `key` is about to hold `pins` pins (0: none; a snapshot then has no PIN for it)."""
+        record = pin_record(key, pins)
+        self._append(record)
+        if pins:
+            self.pins[key] = record
+        else:
+            self.pins.pop(key, None)
 
     def removed(self, entry: Entry) -> None:
         self._append(frame(REMOVE, _pack(entry.key)))
-        if self.live.pop(entry.key, None) is not None:
+        self.pins.pop(entry.key, None)
+        if self._added is None:
+            was_live = self.live.pop(entry.key, None) is not None
+        else:
+            was_live = self._added.pop(entry.key, None) is not None
+            if entry.key in self.live and entry.key not in self._gone:
+                self._gone.add(entry.key)
+                was_live = True
+        if was_live:
             self.ns_refs[entry.ns] -= 1
             if not self.ns_refs[entry.ns]:
                 del self.ns_refs[entry.ns]
@@ -145,6 +184,8 @@ class L1Journal:
         quarantined pages), then compact: the log becomes a snapshot of exactly that."""
         for entry in entries:
             self.live[entry.key] = entry.record
+            if entry.pins:
+                self.pins[entry.key] = pin_record(entry.key, entry.pins)
             self.ns_refs[entry.ns] = self.ns_refs.get(entry.ns, 0) + 1
         self.ns_records = {fp: frame(NAMESPACE, _pack((fp, namespaces[fp].to_dict()))) for fp in self.ns_refs}
         for group in unheld:
@@ -154,30 +195,87 @@ class L1Journal:
     # -- log and snapshot ------------------------------------------------------------------------
 
     def _append(self, record: bytes) -> None:
-        """Append, compacting first when the log has grown past its limit or the half is full. The
-        snapshot is of the state before this record, which follows it."""
+        """Append, first switching to a snapshot the worker has written, or starting one when the log has
+        grown past its limit: the snapshot is of the state before this record, which follows it."""
         journal = self.journal
         if self.failed:
             return
-        if journal.length + len(record) > self._limit or not journal.append(record):
-            if journal.lost:  # invalidated for want of room (shm/journal.py logged why): no compaction helps
-                self._fail(f"the journal ran out of room ({journal.lost})")
+        if journal.staging is not None:
+            self._give_way(journal.staging)
+            if journal.staging.done.is_set():
+                self._switch()
+        elif journal.length + len(record) > self._limit:
+            self.stage()
+        if self.failed or journal.append(record):
+            return
+        if journal.staging is not None and not journal.lost:  # the half filled before the worker was done
+            self._switch()
+            if self.failed or journal.append(record):
                 return
+        if journal.lost:  # invalidated for want of room (shm/journal.py logged why): no compaction helps
+            self._fail(f"the journal ran out of room ({journal.lost})")
+            return
+        self.compact()
+        if not self.failed and not journal.append(record):
+            self._fail(f"a record of {len(record)} bytes does not fit after a compaction")
+
+    def stage(self) -> None:
+        """Start a compaction off the loop: the live state captured now (`live` as it is: the worker reads it
+        while commits and removals wait beside it; the rest copied), written into the other half by the
+        journal's worker, switched to at the first append after it is done."""
+        if not self.failed and self.journal.staging is None:
+            self._added, self._gone = {}, set()
+            self.journal.stage(self._records())
+
+    def _merge(self) -> None:
+        """The staging is over: what waited beside `live` goes into it."""
+        if self._added is not None:
+            for key in self._gone:
+                del self.live[key]
+            self.live.update(self._added)
+            self._added, self._gone = None, set()
+
+    def _give_way(self, staging: Staging) -> None:
+        """Every GIVE_WAY_EVERY appends while the worker writes, let it run for up to GIVE_WAY_S (the loop
+        waits on it, the GIL free): a loop that never waits (stores back to back) would otherwise leave it the
+        GIL only at the interpreter's switch interval, and the staging, and what the switch must merge, grow."""
+        self._appends_staged += 1
+        if self._appends_staged % GIVE_WAY_EVERY == 0:
+            staging.done.wait(GIVE_WAY_S)
+
+    def _switch(self) -> None:
+        """Make the staged snapshot the log; if it cannot be (it and the records since do not fit), compact on
+        the loop instead."""
+        journal = self.journal
+        staging = journal.staging
+        assert staging is not None
+        switched = journal.switch()
+        self._merge()
+        if switched:
+            self._compacted(staging.length)  # (the records since count as the log's growth)
+        elif journal.lost:
+            self._fail(f"the journal ran out of room ({journal.lost})")
+        else:
             self.compact()
-            if not self.failed and not journal.append(record):
-                self._fail(f"a record of {len(record)} bytes does not fit after a compaction")
+
+    def _records(self) -> Iterator[bytes]:
+        """The live state as records: namespaces in use, entries in commit order, their pins, unheld pages
+        (`live` iterated in place, the rest copied now)."""
+        self.ns_records = {fp: r for fp, r in self.ns_records.items() if fp in self.ns_refs}
+        return chain(list(self.ns_records.values()), self.live.values(), list(self.pins.values()),
+                     [u.record() for u in self.unheld.values()])
 
     def snapshot(self) -> bytes:
-        """The live state as records: namespaces in use, then entries in commit order, then unheld pages."""
-        self.ns_records = {fp: r for fp, r in self.ns_records.items() if fp in self.ns_refs}
-        unheld = [u.record() for u in self.unheld.values()]
-        return b"".join([*self.ns_records.values(), *self.live.values(), *unheld])
+        return b"".join(self._records())
 
     def compact(self, order: list[bytes] | None = None) -> None:
-        """Replace the log by a snapshot; `order` (keys, coldest first: the policy's eviction order at a
-        clean stop) puts the entries in the order the next start re-inserts them."""
+        """Replace the log by a snapshot, here and now (a staged one is dropped); `order` (keys, coldest first:
+        the policy's eviction order at a clean stop) puts the entries in the order the next start re-inserts
+        them."""
         if self.failed:
             return
+        self.journal.drop_staging()
+        self._merge()
         if order is not None:
             ranked = {key: self.live[key] for key in order if key in self.live}
             self.live = ranked | self.live  # keys the order missed keep their place after it
@@ -186,7 +284,10 @@ class L1Journal:
             self._fail(f"a snapshot of {len(snapshot)} bytes does not fit a half of {self.journal.half}")
             return
         self.journal.rewrite(snapshot)
-        self._limit = min(self.journal.half, 2 * len(snapshot) + self.slack)
+        self._compacted(len(snapshot))
+
+    def _compacted(self, length: int) -> None:
+        self._limit = min(self.journal.half, 2 * length + self.slack)
         self.compactions += 1
         self.metrics.l1_journal_compactions.inc()
 
@@ -216,6 +317,10 @@ class Unheld:
 NO_WRITER = Unheld((), "", 0)
 
 
+def pin_record(key: bytes, pins: int) -> bytes:
+    return frame(PIN, _pack((key, pins)))
+
+
 @dataclass
 class AdoptedEntry:
     key: bytes
@@ -225,6 +330,7 @@ class AdoptedEntry:
     aliases: tuple[bytes, ...]
     extents: Extents
     record: bytes  # its COMMIT record, to carry into the new journal as it is
+    pins: int = 0
 
 
 @dataclass
@@ -289,6 +395,13 @@ def replay(records: object, num_pages: int, page_size: int) -> Replayed:
                 if i:
                     pages = from_extents(live.pop(i).extents)
                     owner[pages], writer[pages] = -1, 0  # until a FREE: still being read, perhaps
+            elif rtype == PIN:
+                key, pins = value
+                if not (type(pins) is int and pins >= 0):
+                    raise ValueError("a pin count is a non-negative integer")
+                i = by_key.get(_key(key), 0)
+                if i:  # (a key no entry is live under: nothing to pin)
+                    live[i].pins = pins
             elif rtype == NAMESPACE:
                 fp, fields = value
                 namespace = Namespace.from_dict(dict(fields))

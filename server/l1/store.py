@@ -4,8 +4,8 @@ All bookkeeping is O(1) per key. The server never touches chunk bytes here: clie
 reserved and out of pages they leased (l1/holds.py), promotions read lower-tier chunks into pages they got
 from `begin_insert` (tiers/promotion.py). The public surface is what the cache, the holds and promotions
 need: lookup, hold/unhold, make room, begin/complete/abandon an insert, busy, remove, clear, resize.
-A journaled L1 (l1/journal.py, warm restart) tells its journal of every commit and removal before it
-happens; an adopted one keeps the pages its predecessor's writers may still touch in quarantine a while.
+A journaled L1 (l1/journal.py, warm restart) tells its journal of every commit, removal and pin count before
+it happens; an adopted one keeps the pages its predecessor's writers may still touch in quarantine a while.
 """
 
 from __future__ import annotations
@@ -166,6 +166,8 @@ class L1Store:
     def hold(self, entry: Entry, readers: int = 1, pins: int = 0) -> None:
         """Adjust holds on an entry (negative to drop them), keeping the evictable/pinned counts exact; a
         removed entry's pages return with its last hold."""
+        if pins and self.journal is not None and not entry.doomed and entry.pins + pins >= 0:
+            self.journal.pinned(entry.key, entry.pins + pins)  # logged first: a restart keeps the pins
         was_evictable, was_pinned = entry.evictable, entry.pins > 0
         entry.readers += readers
         entry.pins += pins

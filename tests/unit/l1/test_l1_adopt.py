@@ -293,8 +293,9 @@ def test_a_live_owner_keeps_its_l1(files):
     l1.close()
 
 
-def test_a_superseded_partial_leaves_with_the_adoption_and_the_journal_follows(files):
-    """A partial chunk kept only because it was pinned is superseded when the longer one is re-inserted."""
+def test_a_pinned_partial_stays_pinned_and_once_unpinned_leaves_with_the_adoption(files):
+    """A partial chunk kept only because it was pinned comes back pinned; unpinned, it is superseded when the
+    longer one is re-inserted, and the journal follows."""
     l1, holds = start(files)
     client = hello(holds, b"w")
     fp = holds.register(NS, client)
@@ -302,12 +303,17 @@ def test_a_superseded_partial_leaves_with_the_adoption_and_the_journal_follows(f
         [res] = holds.reserve(client, fp, [item(7, blocks, PAGE)])
         holds.commit(client, [res[1]])
         if blocks == 2:
-            l1.store.hold(l1.store.entries[block_key(7, 2)], 0, pins=1)  # kept when the longer one arrives
+            l1.store.pin_keys([block_key(7, 2)])  # kept when the longer one arrives
     assert len(l1.store.entries) == 2
     l1.abandon()
     l1, _ = start(files)
+    assert list(l1.store.entries) == [block_key(7, 2), block_key(7, BPC)]
+    assert l1.store.entries[block_key(7, 2)].pins == 1 and l1.store.pinned_pages == 1
+    l1.store.pin_keys([block_key(7, 2)], -1)
+    l1.abandon()
+    l1, _ = start(files)
     assert list(l1.store.entries) == [block_key(7, BPC)] and extent_pages(l1.store.quarantined) == 0
-    assert l1.store.pool.used_pages == 1
+    assert l1.store.pool.used_pages == 1 and l1.store.pinned_pages == 0
     l1.abandon()
     l1, _ = start(files)  # the new journal says the same
     assert list(l1.store.entries) == [block_key(7, BPC)] and l1.store.pool.used_pages == 1

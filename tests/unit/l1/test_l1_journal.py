@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import mmap
 import random
+import threading
+from collections.abc import Iterable
 
 import msgpack
 import numpy as np
@@ -31,7 +33,7 @@ from kvtier.server.l1.journal import (
 from kvtier.server.l1.pool import PagePool, extent_pages, from_extents
 from kvtier.server.l1.store import Entry, L1Store
 from kvtier.server.metrics import Metrics
-from kvtier.shm.journal import Journal, JournalDamaged, JournalMismatch, frame, journal_bytes, parse
+from kvtier.shm.journal import Journal, JournalDamaged, JournalMismatch, Staging, frame, journal_bytes, parse
 from kvtier.shm.segment import Segment
 from l1_helpers import BPC, MIN_BLOCK_BYTES, NS, PAGE, FakeClock, block_key, item
 
@@ -46,15 +48,44 @@ def anonymous_segment(size: int) -> Segment:
 
 
 class RecordingJournal(Journal):
-    """Calls `on_write` after each append and rewrite: the instants a kill would leave this journal."""
+    """Calls `on_write` after each append, rewrite and switch: the instants a kill would leave this journal.
+    A staged snapshot lets `let_through()` appends into the active half before its worker may write it and is
+    waited for: the switch comes at a point the workload's seed decides, not the threads' timing."""
 
     on_write = staticmethod(lambda: None)
+    let_through = staticmethod(lambda: 0)
+    _left = 0
+    _gate = threading.Event()
+
+    def stage(self, parts: Iterable[bytes]) -> Staging:
+        self._gate, self._left = threading.Event(), self.let_through()
+        return super().stage(parts)
+
+    def _write_staged(self, staging: Staging, parts: Iterable[bytes]) -> None:
+        self._gate.wait()
+        super()._write_staged(staging, parts)
 
     def append(self, record: bytes) -> bool:
+        if self.staging is not None:
+            if self._left <= 0:
+                self._gate.set()
+                self.staging.done.wait()
+            self._left -= 1
         done = super().append(record)
         if done:
             self.on_write()
         return done
+
+    def switch(self) -> bool:
+        self._gate.set()
+        done = super().switch()
+        if done:
+            self.on_write()
+        return done
+
+    def drop_staging(self) -> None:
+        self._gate.set()
+        super().drop_staging()
 
     def rewrite(self, records: bytes) -> None:
         super().rewrite(records)
@@ -88,6 +119,8 @@ class Workload:
             self.hello(ident)
         self.fp = NS.fingerprint()
         self.journal.on_write = self.capture
+        let = random.Random(-seed)  # its own: the workload's operations stay those of the seed
+        self.journal.let_through = lambda: let.randrange(12)
 
     def capture(self) -> None:
         writers = [r.extents for r in self.holds.reservations.values()] + [e.extents for e in self.promoting.values()]
@@ -111,7 +144,7 @@ class Workload:
         for _ in range(self.rng.randint(1, 3)):
             blocks = self.rng.choice([BPC, BPC, BPC, 1, 2])
             pages = self.rng.randint(1, 3)
-            items.append(item(self.rng.randrange(30), blocks, max(pages * PAGE - self.rng.randrange(PAGE), blocks * MIN_BLOCK_BYTES)))
+            items.append(item(self.rng.randrange(12), blocks, max(pages * PAGE - self.rng.randrange(PAGE), blocks * MIN_BLOCK_BYTES)))
         self.holds.reserve(self.owner(), self.fp, items)
 
     def write(self) -> None:
@@ -169,6 +202,11 @@ class Workload:
             entry.extents = extents
             self.promoting[it.key] = entry
 
+    def pin(self) -> None:
+        if self.store.entries:
+            key = self.rng.choice(list(self.store.entries))
+            self.store.pin_keys([key], self.rng.choice([1, 1, -1]))
+
     def time_passes(self) -> None:
         self.clock.now += self.rng.choice([1.0, 6.0])
         self.holds.sweep()
@@ -181,7 +219,7 @@ class Workload:
 
     def step(self) -> None:
         ops = [(self.reserve, 4), (self.write, 6), (self.settle, 7), (self.abort_unwritten, 1), (self.acquire, 2),
-               (self.release, 2), (self.promote, 2), (self.time_passes, 1), (self.clear, 0.2), (self.resize, 0.3)]
+               (self.release, 2), (self.promote, 2), (self.pin, 0.5), (self.time_passes, 1), (self.clear, 0.2), (self.resize, 0.3)]
         fn = self.rng.choices([op for op, _ in ops], [w for _, w in ops])[0]
         try:
             fn()
@@ -197,8 +235,8 @@ class Workload:
         assert [e.key for e in got.entries] == list(self.store.entries)
         for e in got.entries:
             mine = self.store.entries[e.key]
-            assert (e.ns, e.size, e.blocks, e.aliases, e.extents) == (mine.ns, mine.size, mine.blocks,
-                                                                       mine.aliases, mine.extents)
+            assert (e.ns, e.size, e.blocks, e.aliases, e.extents, e.pins) == (
+                mine.ns, mine.size, mine.blocks, mine.aliases, mine.extents, mine.pins)
         used = np.ones(PAGES, dtype=bool)
         used[from_extents(self.store.pool.free_extents())] = False
         for entry in self.store.entries.values():
@@ -282,6 +320,7 @@ def test_worst_case_records_stay_within_the_bounds_the_halves_are_sized_by():
     assert len(commit) <= j._ENTRY_MAX + pairs * j._EXTENT_MAX + len(aliases) * j._ALIAS_MAX
     record = j.Unheld(extents, "f" * 32, (1 << 64) - 1).record()
     assert len(record) <= j._ENTRY_MAX + pairs * j._EXTENT_MAX + j._WRITER_MAX
+    assert len(j.pin_record(b"k" * 16, (1 << 64) - 1)) <= j._PIN_MAX
 
 
 # -- replay of hand-written journals -------------------------------------------------------------

@@ -189,28 +189,40 @@ def _state(journal: Journal) -> int:
     return count
 
 
-def _writer(name: str, half: int, seed: int) -> None:
-    """Count up for ever: a STEP record per number (of random length), a rewrite to one SNAPSHOT when the
-    half is full."""
+def _writer(name: str, half: int, seed: int, staged: bool) -> None:
+    """Count up for ever: a STEP record per number (of random length); when the half is full, a rewrite to one
+    SNAPSHOT, or when `staged`, past half a half, a SNAPSHOT of the count so far (padded, in many parts) staged
+    and switched to at the first append after the worker is done (or when the half is full)."""
     journal = reopen(name, half)
     count = _state(journal)
     rng = random.Random(seed)
     while True:
         count += 1
         record = frame(STEP, struct.pack("<Q", count) + bytes(rng.randrange(0, 3000)))
-        if not journal.append(record):
+        if staged and journal.staging is not None and journal.staging.done.is_set():
+            assert journal.switch()
+        elif staged and journal.staging is None and journal.length > half // 2:
+            journal.stage([frame(SNAPSHOT, struct.pack("<Q", count - 1) + bytes(20_000)), *[b""] * 10_000])
+        if journal.append(record):
+            continue
+        if staged:
+            assert journal.switch()
+        else:
             journal.rewrite(frame(SNAPSHOT, struct.pack("<Q", count - 1)))
-            assert journal.append(record)
+        assert journal.append(record)
 
 
-def test_a_writer_killed_at_random_instants_leaves_a_journal_that_replays_to_a_prefix(name):
-    half = 64 * 1024  # a rewrite every ~40 records: kills land in appends, in rewrites and between them
+@pytest.mark.parametrize("staged", [False, True], ids=["rewrite", "stage-switch"])
+def test_a_writer_killed_at_random_instants_leaves_a_journal_that_replays_to_a_prefix(name, staged):
+    """Kills land in appends, in compactions and between them (staged: while the worker writes the snapshot,
+    in the switch)."""
+    half = 256 * 1024 if staged else 64 * 1024  # a compaction every ~40 (staged: ~85) records
     new_journal(name, half).close()
     fork = multiprocessing.get_context("fork")
     rng = random.Random(0)
     counts = [0]
     for i in range(40):
-        child = fork.Process(target=_writer, args=(name, half, i))
+        child = fork.Process(target=_writer, args=(name, half, i, staged))
         child.start()
         time.sleep(rng.uniform(0.02, 0.08))
         os.kill(child.pid, signal.SIGKILL)
