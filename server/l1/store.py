@@ -214,11 +214,13 @@ class L1Store:
 
     def begin_insert(self, key: bytes, size: int, token: object, admit: bool = True) -> Extents | str:
         """Pages for a chunk about to be written (evicting as the policy orders; asking its admission
-        first when `admit` and L1 is full), `key` marked busy for `token`; or the reason it is refused."""
-        npages = self.pool.pages_for(size)
+        first when `admit` and L1 is full but eviction could make the room), `key` marked busy for `token`;
+        or the reason it is refused."""
+        pool = self.pool
+        npages = pool.pages_for(size)
         self.flush_touches()
-        if admit and self.pool.free_pages < npages <= self.pool.num_pages and not self.policy.admit(
-                key, size, self._is_evictable):
+        could = pool.free_pages < npages <= min(pool.num_pages, pool.free_pages + self.evictable_pages)
+        if admit and could and not self.policy.admit(key, size, self._is_evictable):
             return p.NOT_ADMITTED
         reason = self.make_room(npages)
         if reason:

@@ -469,3 +469,12 @@ def test_a_refused_offer_is_counted_and_evicts_nothing():
     assert store.metrics.refused.labels(p.NOT_ADMITTED)._value.get() == 1
     store.clear()
     assert holds.reserve(a, fp, [item(3, BPC, PAGE)])[0][0] == p.RESERVED  # room free: no admission asked
+
+
+def test_no_room_even_with_evictions_is_no_space_and_no_admission_is_asked():
+    """Every page pinned: eviction could not make room, so the answer is no_space (what the client can act
+    on), not the policy's refusal; the policy is not asked about an offer it could not take anyway."""
+    store, holds, fp, a = full_l1(RefuseAll())
+    assert store.pin_keys([block_key(1, BPC), block_key(2, BPC)])[2] == 2
+    assert holds.reserve(a, fp, [item(3, BPC, PAGE)]) == [[p.REFUSED, p.NO_SPACE]]
+    assert store.metrics.refused.labels(p.NOT_ADMITTED)._value.get() == 0
