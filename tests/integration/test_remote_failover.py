@@ -126,6 +126,11 @@ def healthy(node: Node) -> bool:
     return code == 200 and body.get("degraded") is None and node.remote()["remote_breakers_open"] == []
 
 
+def failures(node: Node) -> int:
+    s = node.remote()
+    return s["remote_errors"] + s["remote_timeouts"] + s["remote_rejected_calls"]
+
+
 def metrics_text(node: Node) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{node.http}/metrics", timeout=10) as r:
         return r.read().decode()
@@ -150,6 +155,7 @@ def test_master_killed_mid_workload_fails_over(redis_cluster_replicas: Replicate
         step(a, b, next(seeds), hot, before)
     assert before.remote_hits > 0, "B read nothing from the remote tier before the kill"
     assert healthy(a) and healthy(b)
+    failed_before = failures(a) + failures(b)
 
     os.kill(cluster.pid(dead), signal.SIGKILL)
     t_kill = time.monotonic()
@@ -165,9 +171,11 @@ def test_master_killed_mid_workload_fails_over(redis_cluster_replicas: Replicate
             break
         assert now - t_kill < RECOVER_S, f"still degraded: A {a.get('/healthz')[1]}, B {b.get('/healthz')[1]}"
     recovered_s = time.monotonic() - t_kill
-    # The kill disturbed A (else the test exercised nothing): the dead master's breaker opened. Its calls that
-    # failed are not always data calls (a slot map refresh's INFO can be the one), so no counter is required.
-    assert any(f"127.0.0.1:{dead}" in r for r in reasons), f"the dead master's breaker never opened: {reasons}"
+    # The kill disturbed the nodes (else the test exercised nothing): a breaker opened for the dead master, a
+    # call failed or B missed. Which one varies: glide may ride out a refused connection until the promotion.
+    disturbed = {"A's breaker": any(f"127.0.0.1:{dead}" in r for r in reasons),
+                 "failed calls": failures(a) + failures(b) > failed_before, "B's misses": outage.misses > 0}
+    assert any(disturbed.values()), f"the kill disturbed nothing: {disturbed}"
     promoted_slots = own_slots(promoted)
     assert promoted_slots, "the replica was not promoted"
 
@@ -207,7 +215,8 @@ def test_master_killed_mid_workload_fails_over(redis_cluster_replicas: Replicate
     print(f"failover: replica serving {t_promoted - t_kill:.1f} s after the kill, nodes checked healthy at "
           f"{recovered_s:.1f} s (degraded: {sorted(reasons - {''})}); L1 hit p99 "
           f"{before.p99() * 1e3:.1f} ms before ({len(before.l1_s)}), {outage.p99() * 1e3:.1f} ms in the outage "
-          f"({len(outage.l1_s)}), max {max(outage.l1_s) * 1e3:.1f} ms; {after.p99() * 1e3:.1f} ms after; B remote "
+          f"({len(outage.l1_s)}), max {max(outage.l1_s) * 1e3:.1f} ms; disturbed {disturbed}; "
+          f"{after.p99() * 1e3:.1f} ms after; B remote "
           f"hits/misses before {before.remote_hits}/{before.misses}, outage {outage.remote_hits}/{outage.misses}, "
           f"after {after.remote_hits}/{after.misses}; B's remote errors {b.remote()['remote_errors']}")
     assert outage.p99() <= bound, (outage.p99(), before.p99())
