@@ -71,8 +71,10 @@ def free_ports(n: int, bus: bool = False) -> list[int]:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        if port in ports or (bus and (port + BUS_OFFSET > 65535 or not _free(port + BUS_OFFSET))):
-            continue
+        taken = {*ports, *(p + BUS_OFFSET for p in ports)} if bus else set(ports)
+        if port in taken or (bus and (port + BUS_OFFSET in taken or port + BUS_OFFSET > 65535
+                                      or not _free(port + BUS_OFFSET))):
+            continue  # (a bus port may not be another node's port: both are bound)
         ports.append(port)
     return ports
 
