@@ -61,12 +61,33 @@ class _Mark:
     ready: threading.Event = field(default_factory=threading.Event)
 
 
+def request(ctx: zmq.Context, endpoint: str, what: bytes, timeout_ms: int = 20_000) -> list[tuple[int, dict]]:
+    """A consumer's request on the replay socket at `endpoint` (a start sequence as 8 bytes big-endian, or
+    SNAPSHOT): the (sequence, payload) answers up to the end marker. TimeoutError if an answer takes longer."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", what])
+    out = []
+    try:
+        while True:
+            if not dealer.poll(timeout_ms):
+                raise TimeoutError(f"no answer from the event feed's replay socket {endpoint}")
+            _, seq, payload = dealer.recv_multipart()
+            if seq == END_SEQ:
+                return out
+            out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+    finally:
+        dealer.close()
+
+
 def encode(event: object) -> dict[str, Any]:
     return {"type": type(event).__name__, **dataclasses.asdict(event)}  # type: ignore[call-overload]
 
 
 class Feed:
-    """Bound at construction (a bad or busy address fails the start); publishing starts with `start`."""
+    """Bound and subscribed at construction (a bad or busy address fails the start); publishing starts with
+    `start`."""
 
     def __init__(self, bus: Bus, config: FeedConfig, metrics: FeedMetrics, held: Callable[[], list[Stored]]) -> None:
         self.bus = bus
@@ -91,16 +112,14 @@ class Feed:
         self._buffer: deque[tuple[bytes, bytes]] = deque(maxlen=config.buffer_batches)
         self._seq = 0  # of the last batch published; the first is 1
         self._lost_told = 0
-        self._sub: Subscription | None = None
+        self._sub: Subscription = bus.subscribe(config.queue_depth, on_drop=metrics.dropped.inc)
         self._call_soon: Callable[..., Any] = lambda fn, *a: fn(*a)
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-feed", daemon=True)
 
     def start(self, call_soon: Callable[..., Any]) -> None:
-        """Subscribe to the bus and start publishing; `call_soon` runs a call on the serving loop (from any
-        thread)."""
+        """Start publishing; `call_soon` runs a call on the serving loop (from any thread)."""
         self._call_soon = call_soon
-        self._sub = self.bus.subscribe(self.config.queue_depth, on_drop=self.m.dropped.inc)
         self._thread.start()
         log.info("event feed on %s (replay %s), epoch %s", self.config.endpoint,
                  self.config.replay_endpoint or "off", self.epoch)
@@ -109,8 +128,7 @@ class Feed:
         self._stopping.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
-        if self._sub is not None:
-            self.bus.unsubscribe(self._sub)
+        self.bus.unsubscribe(self._sub)
         if not self._thread.is_alive():  # else the process exit closes them (never under a running thread)
             self._close_sockets()
 
@@ -123,7 +141,6 @@ class Feed:
     # -- the feed's thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        assert self._sub is not None
         while not self._stopping.is_set():
             try:
                 self._publish_items(self._sub.take(BATCH_MAX, POLL_S))
@@ -145,7 +162,6 @@ class Feed:
         self._publish(batch)
 
     def _publish(self, events: list[object]) -> None:
-        assert self._sub is not None
         lost = self._sub.dropped - self._lost_told
         if not events and not lost:
             return
@@ -200,7 +216,6 @@ class Feed:
 
     def _capture(self, mark: _Mark) -> None:
         """On the loop: queue the mark (past the bound: it must arrive), then list what is held."""
-        assert self._sub is not None
         self._sub.offer(mark, force=True)
         try:
             mark.held = self._held()
