@@ -43,6 +43,10 @@ SNAPSHOT = b"snapshot"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+class FeedUnavailable(Exception):
+    """An address of the feed could not be bound (in use, not permitted, malformed)."""
+
+
 @dataclass(frozen=True)
 class FeedConfig:
     endpoint: str
@@ -100,15 +104,18 @@ class Feed:
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
         self._replay: zmq.Socket | None = None
+        address = config.endpoint
         try:
-            self._pub.bind(config.endpoint)
+            self._pub.bind(address)
             if config.replay_endpoint:
+                address = config.replay_endpoint
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
-                self._replay.bind(config.replay_endpoint)
-        except zmq.ZMQError:
+                self._replay.setsockopt(zmq.MAXMSGSIZE, 64)  # a request is 8 bytes or "snapshot"
+                self._replay.bind(address)
+        except zmq.ZMQError as exc:
             self._close_sockets()
-            raise
+            raise FeedUnavailable(f"the event feed cannot bind {address}: {exc.strerror}") from exc
         self._buffer: deque[tuple[bytes, bytes]] = deque(maxlen=config.buffer_batches)
         self._seq = 0  # of the last batch published; the first is 1
         self._lost_told = 0

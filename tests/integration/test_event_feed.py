@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import signal
+import socket
 
 import httpx
 import msgpack
@@ -182,3 +183,15 @@ def test_an_l2_write_is_a_stored_of_tier_l2(kvtier_server, tmp_path):
     finally:
         c.close()
         ctx.destroy(linger=0)
+
+
+def test_a_busy_feed_address_fails_the_start_with_a_clear_error(kvtier_server):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        address = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
+        srv = kvtier_server(l1_gb=L1_GB, extra=["--events-endpoint", address], wait=False)
+        assert srv.proc.wait(timeout=30) == 2
+    log = srv.log_text()
+    assert f"kvtier server: the event feed cannot bind {address}: Address already in use" in log, log
+    assert "Traceback" not in log and not srv.shm_path.exists()
