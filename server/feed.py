@@ -37,6 +37,8 @@ BATCH_MAX = 256  # events per published batch
 SNAPSHOT_BATCH = 1024  # events per snapshot batch
 POLL_S = 0.05  # the longest a replay request waits while no event comes
 SNAPSHOT_WAIT_S = 10.0  # the longest the feed waits for the loop to list what is held
+SNAPSHOT_GAP_S = 0.5  # the least time between two listings on the loop: requests meanwhile share the next one
+SNAPSHOT_WAITERS_MAX = 1024  # snapshot requests waiting for a listing; more are answered with the end marker
 PUB_HWM = 100_000  # messages queued per PUB subscriber before ZeroMQ drops for it
 TOPIC = b""  # as vLLM's publisher's default
 SNAPSHOT = b"snapshot"
@@ -60,7 +62,7 @@ class _Mark:
     """A snapshot request's place in the event stream: events before it are in the listing (`held`, taken on
     the loop right after the mark was queued); events after it may be too (applying them again is harmless)."""
 
-    ident: bytes
+    idents: list[bytes]  # the requesters it answers
     held: list[Stored] | None = None
     ready: threading.Event = field(default_factory=threading.Event)
 
@@ -121,6 +123,9 @@ class Feed:
         self._lost_told = 0
         self._sub: Subscription = bus.subscribe(config.queue_depth, on_drop=metrics.dropped.inc)
         self._call_soon: Callable[..., Any] = lambda fn, *a: fn(*a)
+        self._waiting: list[bytes] = []  # snapshot requesters no listing was started for yet
+        self._mark: _Mark | None = None  # the snapshot whose listing is in flight
+        self._next_listing = 0.0  # monotonic time the next listing may start
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-feed", daemon=True)
 
@@ -153,6 +158,7 @@ class Feed:
                 self._publish_items(self._sub.take(BATCH_MAX, POLL_S))
                 while self._replay is not None and self._replay.poll(0):
                     self._serve_request()
+                self._start_listing()
             except Exception:  # keep publishing; a bug here must not stop the feed
                 log.exception("event feed step failed")
                 time.sleep(POLL_S)
@@ -195,7 +201,10 @@ class Feed:
         ident, _, body = frames
         if body == SNAPSHOT:
             self.m.requests.labels("snapshot").inc()
-            self._call_soon(self._capture, _Mark(ident))
+            if len(self._waiting) < SNAPSHOT_WAITERS_MAX:
+                self._waiting.append(ident)
+            else:
+                self._replay.send_multipart((ident, b"", END_SEQ, b""))  # the listing-failed answer: ask again
             return
         self.m.requests.labels("replay").inc()
         start = int.from_bytes(body, "big")
@@ -204,6 +213,15 @@ class Feed:
                 self._replay.send_multipart((ident, b"", seq, payload))
         self._replay.send_multipart((ident, b"", END_SEQ, b""))
 
+    def _start_listing(self) -> None:
+        """Have the loop list what is held for the waiting snapshot requests: one listing at a time, at most one
+        per SNAPSHOT_GAP_S (a consumer asking in a loop cannot keep the serving loop busy)."""
+        if not self._waiting or self._mark is not None or time.monotonic() < self._next_listing:
+            return
+        self._mark, self._waiting = _Mark(self._waiting), []
+        self._next_listing = time.monotonic() + SNAPSHOT_GAP_S
+        self._call_soon(self._capture, self._mark)
+
     def _answer_snapshot(self, mark: _Mark) -> None:
         """Send what the loop listed, as of the last batch published (before the mark); no batch (the end
         marker alone) when the listing failed."""
@@ -211,13 +229,18 @@ class Feed:
         deadline = time.monotonic() + SNAPSHOT_WAIT_S
         while not mark.ready.wait(POLL_S) and not self._stopping.is_set() and time.monotonic() < deadline:
             pass
+        batches = []
         if mark.ready.is_set() and mark.held is not None:
-            seq, held, now = self._seq.to_bytes(8, "big"), mark.held, time.time()
-            for i in range(0, max(len(held), 1), SNAPSHOT_BATCH):
-                body = {"epoch": self.epoch, "ts": now, "snapshot": True,
-                        "events": [encode(e) for e in held[i:i + SNAPSHOT_BATCH]]}
-                self._replay.send_multipart((mark.ident, b"", seq, msgpack.packb(body, use_bin_type=True)))
-        self._replay.send_multipart((mark.ident, b"", END_SEQ, b""))
+            held, now = mark.held, time.time()
+            batches = [msgpack.packb({"epoch": self.epoch, "ts": now, "snapshot": True,
+                                      "events": [encode(e) for e in held[i:i + SNAPSHOT_BATCH]]}, use_bin_type=True)
+                       for i in range(0, max(len(held), 1), SNAPSHOT_BATCH)]
+        seq = self._seq.to_bytes(8, "big")
+        for ident in mark.idents:
+            for payload in batches:
+                self._replay.send_multipart((ident, b"", seq, payload))
+            self._replay.send_multipart((ident, b"", END_SEQ, b""))
+        self._mark = None
 
     # -- the serving loop --------------------------------------------------------------------------
 

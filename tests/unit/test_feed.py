@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import pytest
 import zmq
+from kvtier.server import feed as feed_module
 from kvtier.server.events import Bus, Stored
-from kvtier.server.feed import SNAPSHOT_BATCH, Feed, FeedConfig
+from kvtier.server.feed import END_SEQ, SNAPSHOT_BATCH, Feed, FeedConfig
 from kvtier.server.feed import request as ask
 from kvtier.server.metrics import FeedMetrics, Metrics
 
@@ -67,3 +69,34 @@ def test_drops_are_told_replay_is_bounded_snapshots_are_batched(tmp_path) -> Non
         feed.stop()
         ctx.destroy(linger=0)
     assert not bus.active  # unsubscribed
+
+
+def test_snapshot_requests_meanwhile_share_one_listing(tmp_path, monkeypatch) -> None:
+    """A consumer asking in a loop cannot keep the serving loop listing: at most one listing per gap, and the
+    requests that came meanwhile all get the next one."""
+    monkeypatch.setattr(feed_module, "SNAPSHOT_GAP_S", 2.0)
+    bus, listings = Bus(), []
+
+    def held() -> list[Stored]:
+        listings.append(1)
+        return [stored(len(listings))]
+
+    replay = f"ipc://{tmp_path}/replay"
+    feed = Feed(bus, FeedConfig(f"ipc://{tmp_path}/pub", replay), FeedMetrics(Metrics()), held)
+    ctx = zmq.Context()
+    try:
+        feed.start(lambda fn, *a: fn(*a))
+        assert [e["key"] for _, b in ask(ctx, replay, b"snapshot") for e in b["events"]] == [stored(1).key]
+        dealers = [ctx.socket(zmq.DEALER) for _ in range(3)]
+        for d in dealers:
+            d.connect(replay)
+            d.send_multipart([b"", b"snapshot"])
+        for d in dealers:  # each: one batch of the second listing, then the end marker
+            assert d.poll(20_000)
+            assert msgpack.unpackb(d.recv_multipart()[2])["events"][0]["key"] == stored(2).key
+            assert d.poll(20_000) and d.recv_multipart()[1] == END_SEQ
+            d.close(0)
+        assert len(listings) == 2
+    finally:
+        feed.stop()
+        ctx.destroy(linger=0)
