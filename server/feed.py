@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,7 @@ SNAPSHOT_BATCH = 1024  # events per snapshot batch
 POLL_S = 0.05  # the longest a replay request waits while no event comes
 SNAPSHOT_WAIT_S = 10.0  # the longest the feed waits for the loop to list what is held
 SNAPSHOT_GAP_S = 0.5  # the least time between two listings on the loop: requests meanwhile share the next one
+REQUESTS_PER_STEP = 16  # replay-socket requests served between two takes from the bus
 SNAPSHOT_WAITERS_MAX = 1024  # snapshot requests waiting for a listing; more are answered with the end marker
 PUB_HWM = 100_000  # messages queued per PUB subscriber before ZeroMQ drops for it
 TOPIC = b""  # as vLLM's publisher's default
@@ -156,7 +157,9 @@ class Feed:
         while not self._stopping.is_set():
             try:
                 self._publish_items(self._sub.take(BATCH_MAX, POLL_S))
-                while self._replay is not None and self._replay.poll(0):
+                for _ in range(REQUESTS_PER_STEP):
+                    if self._replay is None or not self._replay.poll(0):
+                        break
                     self._serve_request()
                 self._start_listing()
             except Exception:  # keep publishing; a bug here must not stop the feed
@@ -187,8 +190,8 @@ class Feed:
         self._pub.send_multipart((TOPIC, seq, payload))
         self._buffer.append((seq, payload))
         self.m.batches.inc()
-        for event in events:
-            self.m.events.labels(type(event).__name__).inc()
+        for kind, n in Counter(type(e).__name__ for e in events).items():
+            self.m.events.labels(kind).inc(n)
 
     def _serve_request(self) -> None:
         assert self._replay is not None
