@@ -1,10 +1,11 @@
 """The event feed's cost to the serving loop: stores and lookups through KVTierClient against a server without
 the feed and one with it and a stalled subscriber (a SUB that never reads), interleaved in one run.
 
-    .venv/bin/python scripts/bench_feed.py [ROUNDS] [PROMPTS]
+    .venv/bin/python scripts/bench_feed.py [ROUNDS] [PROMPTS] [aa]
 
 Each round stores PROMPTS new 4-chunk prompts and looks each up once on both servers (alternating which goes
-first); prints each round's time per prompt and the ratio of the medians (feed / no feed).
+first); prints each round's time per prompt and the ratio of the medians (feed / no feed). `aa`: the second
+server without the feed too (the run's noise: the ratio of two equal servers).
 """
 import os
 import statistics
@@ -59,7 +60,7 @@ def main() -> None:
     prompts = int(sys.argv[2]) if len(sys.argv) > 2 else 300
     feed_addr = f"ipc://{tempfile.gettempdir()}/kvtier-bench-feed-{os.getpid()}"
     plain, plain_url = start([])
-    fed, fed_url = start(["--events-endpoint", feed_addr])
+    fed, fed_url = start([] if sys.argv[3:] == ["aa"] else ["--events-endpoint", feed_addr])
     ctx = zmq.Context()
     stalled = ctx.socket(zmq.SUB)
     stalled.setsockopt(zmq.RCVHWM, 10)

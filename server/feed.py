@@ -16,7 +16,6 @@ what is held (one call on the loop). PUB never blocks: a subscriber past its hig
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -36,6 +35,7 @@ log = logging.getLogger("kvtier.server.feed")
 BATCH_MAX = 256  # events per published batch
 SNAPSHOT_BATCH = 1024  # events per snapshot batch
 POLL_S = 0.05  # the longest a replay request waits while no event comes
+GATHER_S = 0.005  # after a batch, how long the next one gathers events before it is published
 SNAPSHOT_WAIT_S = 10.0  # the longest the feed waits for the loop to list what is held
 SNAPSHOT_GAP_S = 0.5  # the least time between two listings on the loop: requests meanwhile share the next one
 REQUESTS_PER_STEP = 16  # replay-socket requests served between two takes from the bus
@@ -89,7 +89,9 @@ def request(ctx: zmq.Context, endpoint: str, what: bytes, timeout_ms: int = 20_0
 
 
 def encode(event: object) -> dict[str, Any]:
-    return {"type": type(event).__name__, **dataclasses.asdict(event)}  # type: ignore[call-overload]
+    """An event as a map: its type's name and its fields (events are slotted dataclasses; not `asdict`,
+    which costs ten times as much)."""
+    return {"type": type(event).__name__, **{f: getattr(event, f) for f in event.__slots__}}  # type: ignore[attr-defined]
 
 
 class Feed:
@@ -156,7 +158,10 @@ class Feed:
     def _run(self) -> None:
         while not self._stopping.is_set():
             try:
-                self._publish_items(self._sub.take(BATCH_MAX, POLL_S))
+                items = self._sub.take(BATCH_MAX, POLL_S)
+                self._publish_items(items)
+                if items:  # let the next batch gather: fewer wake-ups taking the GIL from the serving loop
+                    self._stopping.wait(GATHER_S)
                 for _ in range(REQUESTS_PER_STEP):
                     if self._replay is None or not self._replay.poll(0):
                         break
