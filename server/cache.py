@@ -18,8 +18,10 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
+from kvtier.server import events
 from kvtier.server.keys import chunk_keys
 from kvtier.server.l1.holds import AcquiredChunk, ClientState, Holds
+from kvtier.server.l1.reporter import L1Reporter
 from kvtier.server.l1.store import Entry, L1Store
 from kvtier.server.metrics import L1, Metrics
 from kvtier.server.tiers.attached import AttachedTier
@@ -71,6 +73,10 @@ class Cache:
         self.holds = holds
         self.metrics = metrics
         self.tiers = list(tiers)
+        self.bus = events.Bus()  # what every tier stores and removes (server/events.py)
+        store.listeners.append(L1Reporter(self.bus))
+        for tier in self.tiers:
+            tier.tier.report = self.bus.post  # type: ignore[method-assign]
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -269,6 +275,7 @@ class Cache:
         if l1:
             n, b = self.store.clear(fp) if registered else (0, 0)
             done[L1] = {"entries": n, "bytes": b}
+            self.bus.post(events.Cleared(L1, fp))
         below = [t for t in self.tiers if lower is None or t.name in lower]
         for tier in below:
             c = await tier.clear(fp)
@@ -276,6 +283,13 @@ class Cache:
             done[tier.name] = {"entries": c.entries, "bytes": c.nbytes, "failed": c.failed}
         found_below = sum(done[t.name]["entries"] for t in below)
         return Cleared(done, not registered and bool(below) and found_below == 0)
+
+    def held(self) -> list[events.Stored]:
+        """Serving loop: every chunk L1 and the local lower tiers hold now (the event feed's snapshot)."""
+        out = [events.Stored(L1, e.ns, e.key, e.blocks, e.aliases, e.size) for e in self.store.entries.values()]
+        for tier in self.tiers:
+            out += tier.tier.held()
+        return out
 
     def health(self) -> tuple[dict[str, bool], dict[str, str], dict[str, str]]:
         """Per tier needed for readiness: (ok, why not); and the tiers that are down but do not make the server

@@ -79,6 +79,7 @@ def _run_server(args: argparse.Namespace) -> int:
         print(f"kvtier server: {exc}", file=sys.stderr)
         return 2
     from kvtier.server import daemon
+    from kvtier.server.feed import FeedUnavailable
     from kvtier.shm.segment import NoSpace, SegmentInUse, SegmentMismatch
 
     services = []
@@ -88,7 +89,7 @@ def _run_server(args: argparse.Namespace) -> int:
         services.append(AdminService)
     try:
         return daemon.run(config, services)
-    except (SegmentInUse, SegmentMismatch, NoSpace) as exc:
+    except (SegmentInUse, SegmentMismatch, NoSpace, FeedUnavailable) as exc:
         print(f"kvtier server: {exc}", file=sys.stderr)
         return 2
 

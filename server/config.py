@@ -87,6 +87,14 @@ class ServerConfig:
                                  choices=list(READ_FROM))
     remote_az: str = _opt("", "this node's availability zone, for --remote-read-from az_affinity (replicas in "
                               "this zone first)")
+    events_endpoint: str = _opt("", "publish what the cache stores and removes on this ZeroMQ PUB address "
+                                    "(tcp://host:port or ipc://path; vLLM's KV-event framing, docs/events.md; "
+                                    "empty: no feed). Unauthenticated: it shows chunk keys to whoever connects")
+    events_replay_endpoint: str = _opt("", "ZeroMQ ROUTER address where feed consumers ask for missed batches "
+                                           "or a snapshot (docs/events.md; empty: none)")
+    events_buffer_batches: int = _opt(10_000, "event batches the feed keeps for replay")
+    events_queue_depth: int = _opt(100_000, "events waiting for the feed's thread before new ones are dropped "
+                                            "(counted; consumers are told in the next batch)")
     gpu_pin_piece_mb: int = _opt(256, "GPU engines: L1 is page-locked (cudaHostRegister) in pieces of this many "
                                       "MiB; no DMA entry crosses a piece")
     gpu_op_timeout_s: float = _opt(10.0, "GPU engines: seconds a copy may take (event wait included) before its "
@@ -148,6 +156,17 @@ class ServerConfig:
             raise ValueError("--l2-size-gb and --l2-queue-depth must be positive when --l2-path is set")
         if self.remote_url:
             self._validate_remote()
+        self._validate_events()
+
+    def _validate_events(self) -> None:
+        for name, value in (("--events-endpoint", self.events_endpoint),
+                            ("--events-replay-endpoint", self.events_replay_endpoint)):
+            if value and not value.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{name} must be a tcp:// or ipc:// ZeroMQ address")
+        if self.events_replay_endpoint and not self.events_endpoint:
+            raise ValueError("--events-replay-endpoint needs --events-endpoint")
+        if self.events_buffer_batches <= 0 or self.events_queue_depth <= 0:
+            raise ValueError("--events-buffer-batches and --events-queue-depth must be positive")
 
     def _validate_remote(self) -> None:
         parse_remote_url(self.remote_url)

@@ -19,11 +19,12 @@ from kvtier.server import protocol as p
 from kvtier.server.cache import Cache
 from kvtier.server.config import ServerConfig
 from kvtier.server.eviction import make_policy
+from kvtier.server.feed import Feed, FeedConfig
 from kvtier.server.gpu_ops import GpuOps
 from kvtier.server.l1.adopt import JOURNAL_SUFFIX, L1Files, open_l1
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.journal import half_bytes
-from kvtier.server.metrics import GpuMetrics, Metrics
+from kvtier.server.metrics import FeedMetrics, GpuMetrics, Metrics
 from kvtier.server.rpc import RequestHandler
 from kvtier.server.tiers import make_tiers
 from kvtier.server.transfer.copiers import Copiers, CopiersConfig
@@ -103,12 +104,14 @@ class Daemon:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         loop = asyncio.get_running_loop()
         self.cache.attach_loop(loop)
+        feed: Feed | None = None
         rewrite = asyncio.ensure_future(self._write_behind_again()) if self._adopted else None
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             for endpoint in self.config.endpoints:
                 sock.bind(endpoint)
+            feed = self._start_feed(loop)
             sweeper = asyncio.create_task(self._sweep())
             services = [make(self) for make in self._service_factories]
             for service in services:
@@ -138,12 +141,24 @@ class Daemon:
             await self.gpu.engine.close()
             self.cache.close()
         finally:
+            if feed is not None:
+                feed.stop()
             sock.close(0)
             ctx.term()
             outcome = self.l1.close()
             self.locks.sweep()
             self.pair.release(remove=True)
             log.info("kvtier server stopped; %s", outcome)
+
+    def _start_feed(self, loop: asyncio.AbstractEventLoop) -> Feed | None:
+        """The daemon event feed (--events-endpoint), publishing from now on; None when off."""
+        c = self.config
+        if not c.events_endpoint:
+            return None
+        feed = Feed(self.cache.bus, FeedConfig(c.events_endpoint, c.events_replay_endpoint, c.events_buffer_batches,
+                                               c.events_queue_depth), FeedMetrics(self.metrics), self.cache.held)
+        feed.start(loop.call_soon_threadsafe)
+        return feed
 
     def _write_behind_again(self) -> Awaitable[None]:
         """The adopted chunks' write-behind (Cache.write_behind_again), started before any request is served;

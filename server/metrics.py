@@ -259,3 +259,21 @@ class GpuMetrics:
             self.ops.labels(op, "ok")
         for direction in ("store", "load"):
             self.copied_bytes.labels(direction)
+
+
+class FeedMetrics:
+    """The daemon event feed's metrics (names kvtier_feed_*, server/feed.py), registered when it is on."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        r = metrics.registry
+        self.events = Counter("kvtier_feed_events", "Events published on the daemon feed, by type", ["type"],
+                              registry=r)
+        self.batches = Counter("kvtier_feed_batches", "Event batches published on the daemon feed", registry=r)
+        self.dropped = Counter("kvtier_feed_dropped_events", "Events dropped before the daemon feed published "
+                               "them because its queue was full (the next batch says how many)", registry=r)
+        self.requests = Counter("kvtier_feed_requests", "Requests on the feed's replay socket, by kind (replay, "
+                                "snapshot, bad)", ["kind"], registry=r)
+        for kind in ("Stored", "Removed", "Cleared"):
+            self.events.labels(kind)
+        for kind in ("replay", "snapshot", "bad"):
+            self.requests.labels(kind)

@@ -163,7 +163,8 @@ class L1Journal:
         else:
             self.pins.pop(key, None)
 
-    def removed(self, entry: Entry) -> None:
+    def removed(self, entry: Entry, reason: str) -> None:
+        del reason  # not journaled: a restart needs only that the entry is gone
         self._append(frame(REMOVE, _pack(entry.key)))
         self.pins.pop(entry.key, None)
         if self._added is None:

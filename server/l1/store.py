@@ -4,8 +4,9 @@ All bookkeeping is O(1) per key. The server never touches chunk bytes here: clie
 reserved and out of pages they leased (l1/holds.py), promotions read lower-tier chunks into pages they got
 from `begin_insert` (tiers/promotion.py). The public surface is what the cache, the holds and promotions
 need: lookup, hold/unhold, make room, begin/complete/abandon an insert, busy, remove, clear, resize.
-A journaled L1 (l1/journal.py, warm restart) tells its journal of every commit, removal and pin count before
-it happens; an adopted one keeps the pages its predecessor's writers may still touch in quarantine a while.
+Listeners (`L1Listener`) are told of every commit, removal and pin count before it happens: the journal of a
+journaled L1 (l1/journal.py, warm restart; always first) and the event reporter (l1/reporter.py); an adopted L1
+keeps the pages its predecessor's writers may still touch in quarantine a while.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
+from typing import Protocol
 
 from kvtier.server import protocol as p
 from kvtier.server.eviction.base import EvictionPolicy
@@ -52,6 +54,16 @@ def _key_of(entry: Entry) -> bytes:
     return entry.key
 
 
+class L1Listener(Protocol):
+    """Told of each change on the serving loop, before it takes effect."""
+
+    def committed(self, entry: Entry, namespace: Namespace | None) -> None: ...
+
+    def removed(self, entry: Entry, reason: str) -> None: ...
+
+    def pinned(self, key: bytes, pins: int) -> None: ...
+
+
 class ResizeRefused(Exception):
     """A shrink below what pins and leases hold."""
 
@@ -73,16 +85,19 @@ class L1Store:
         self.pinned_pages = 0
         self.backed_bytes = 0  # of the segment, known to have memory behind it (the daemon's prefault)
         self.prefault = "off"  # the daemon's L1 prefault: off, running, done or failed
-        self.journal: L1Journal | None = None  # told of every commit and removal (and, by the pool, of pages)
+        self.journal: L1Journal | None = None  # the first listener (and, at the pool, the log of pages)
+        self.listeners: list[L1Listener] = []
         self.quarantine: list[Unheld] = []  # pages an earlier daemon's writers may still touch (adopted L1)
         self.quarantine_until = 0.0  # when the groups no client writes leave it
         self._touch_backlog: list[list[tuple[Entry, int]]] = []
         metrics.l1_capacity.set(pool.num_pages * pool.page_size)
 
     def attach_journal(self, journal: L1Journal) -> None:
-        """Journal from now on: commits and removals here, pages at the pool."""
+        """Journal from now on: commits and removals here (before any other listener hears of them), pages at
+        the pool."""
         self.journal = journal
         self.pool.log = journal
+        self.listeners.insert(0, journal)
 
     # -- namespaces ------------------------------------------------------------------------------
 
@@ -166,8 +181,9 @@ class L1Store:
     def hold(self, entry: Entry, readers: int = 1, pins: int = 0) -> None:
         """Adjust holds on an entry (negative to drop them), keeping the evictable/pinned counts exact; a
         removed entry's pages return with its last hold."""
-        if pins and self.journal is not None and not entry.doomed and entry.pins + pins >= 0:
-            self.journal.pinned(entry.key, entry.pins + pins)  # logged first: a restart keeps the pins
+        if pins and not entry.doomed and entry.pins + pins >= 0:
+            for listener in self.listeners:  # the journal first: a restart keeps the pins
+                listener.pinned(entry.key, entry.pins + pins)
         was_evictable, was_pinned = entry.evictable, entry.pins > 0
         entry.readers += readers
         entry.pins += pins
@@ -238,8 +254,8 @@ class L1Store:
     def insert(self, entry: Entry) -> Entry:
         """Make a chunk whose bytes are in its pages visible (a commit, or a promotion from a lower tier)."""
         self.flush_touches()
-        if self.journal is not None:
-            self.journal.committed(entry, self.namespaces.get(entry.ns))
+        for listener in self.listeners:
+            listener.committed(entry, self.namespaces.get(entry.ns))
         self.entries[entry.key] = entry
         for partial in self.index.superseded(entry.aliases, _key_of):
             if not partial.pins:  # the longer chunk serves the same leading blocks
@@ -253,8 +269,8 @@ class L1Store:
         return entry
 
     def remove(self, entry: Entry, reason: str) -> None:
-        if self.journal is not None:  # logged before any of its pages can go back to the pool
-            self.journal.removed(entry)
+        for listener in self.listeners:  # the journal's record before any of its pages can go back to the pool
+            listener.removed(entry, reason)
         del self.entries[entry.key]
         self.index.remove(entry, entry.key, entry.aliases)
         self.policy.remove(entry.key)

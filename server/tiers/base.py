@@ -22,6 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvtier.server.events import Event, Stored
 from kvtier.server.tiers.record import ChunkMeta
 
 
@@ -89,6 +90,15 @@ class LowerTier(ABC):
     @abstractmethod
     def scan(self) -> int:
         """Before serving: rebuild the index from what the tier holds; returns the chunks found."""
+
+    def report(self, event: Event) -> None:  # noqa: B027 - the cache replaces it with its bus's `post`
+        """Any thread, non-blocking: tell what the tier stored (`Stored`), removed (`Removed`, with the reason)
+        or cleared (`Cleared`) (server/events.py), after it took effect."""
+
+    def held(self) -> list[Stored]:
+        """Any thread: every chunk the tier holds now, for a snapshot of the event feed. Default: none listed
+        (a tier shared by nodes does not list the store)."""
+        return []
 
     def sync(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Writer thread: make completed puts durable (no-op where puts are durable already)."""

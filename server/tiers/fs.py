@@ -17,6 +17,8 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from kvtier.server.events import Cleared as ClearedEvent
+from kvtier.server.events import Removed, Stored
 from kvtier.server.eviction import EvictionPolicy, LRUPolicy
 from kvtier.server.index import PrefixIndex
 from kvtier.server.keys import KEY_BYTES
@@ -92,11 +94,16 @@ class FsTier(LowerTier):
         key = self.policy.pick_victim(self._index.__contains__)
         if key is None:
             return False
-        self._index_drop(key)
+        meta = self._index_drop(key)
         fs_io.unlink_quiet(self._file(key))
         self.evicted += 1
         self._on_evict(reason)
+        self._removed(meta, reason)
         return True
+
+    def _removed(self, meta: ChunkMeta | None, reason: str) -> None:
+        if meta is not None:
+            self.report(Removed(self.name, meta.ns, meta.key, reason))
 
     # -- LowerTier ---------------------------------------------------------------------------------
 
@@ -137,6 +144,7 @@ class FsTier(LowerTier):
                 self._writing.discard(meta.key)
                 self._index_add(meta)
                 self._unsynced += 1
+                self.report(Stored(self.name, meta.ns, meta.key, meta.blocks, meta.aliases, meta.size))
         if not kept:
             fs_io.unlink_quiet(self._file(meta.key))
             with self._lock:
@@ -192,10 +200,11 @@ class FsTier(LowerTier):
 
     def _drop_corrupt(self, key: bytes) -> None:
         with self._lock:
-            self._index_drop(key)
+            meta = self._index_drop(key)
         fs_io.unlink_quiet(self._file(key))
         self.corrupt += 1
         self._on_corrupt()
+        self._removed(meta, "corrupt")
 
     def remove(self, key: bytes, reason: str = "removed") -> bool:
         with self._lock:
@@ -204,6 +213,7 @@ class FsTier(LowerTier):
             return False
         fs_io.unlink_quiet(self._file(key))
         self._on_evict(reason)
+        self._removed(meta, reason)
         return True
 
     def clear(self, ns: bytes | None = None) -> Cleared:
@@ -212,11 +222,16 @@ class FsTier(LowerTier):
         removed = [meta for meta in gone if fs_io.unlink_quiet(self._file(meta.key))]
         for _ in gone:
             self._on_evict("clear")
+        self.report(ClearedEvent(self.name, ns))
         failed = len(gone) - len(removed)
         if failed:
             log.warning("L2 clear of %s: %d of %d files could not be removed (forgotten: never served)",
                         self.path, failed, len(gone))
         return Cleared(len(removed), sum(m.file_bytes for m in removed), failed)
+
+    def held(self) -> list[Stored]:
+        with self._lock:
+            return [Stored(self.name, m.ns, m.key, m.blocks, m.aliases, m.size) for m in self._index.values()]
 
     def health(self) -> tuple[bool, str]:
         """Whether a file can be created in the directory now: a probe under a temp name (removed again; a

@@ -77,6 +77,8 @@ from typing import Any, TypeVar
 
 import glide_sync as glide
 from kvtier.server.config import RemoteAccess, RemoteUrl, parse_remote_url
+from kvtier.server.events import Cleared as ClearedEvent
+from kvtier.server.events import Removed, Stored
 from kvtier.server.metrics import Metrics, RemoteMetrics
 from kvtier.server.tiers.bandwidth import BandwidthMeter
 from kvtier.server.tiers.base import Cleared, LowerTier
@@ -634,6 +636,7 @@ class RemoteTier(LowerTier):
             self._delete(meta.ns, meta.key, prepared.header, meta.size)
             return False
         self._presence.add(meta, time.monotonic())
+        self.report(Stored(self.name, meta.ns, meta.key, meta.blocks, meta.aliases, meta.size))
         self.written += 1
         self.written_bytes += meta.size
         return True
@@ -913,6 +916,7 @@ class RemoteTier(LowerTier):
         self._presence.drop(meta, time.monotonic())
         if header is not None and not self._mark_bad(meta.key, header):
             return False
+        self.report(Removed(self.name, meta.ns, meta.key, why))
         if why == "corrupt":
             self.corrupt += 1
             self.m.corrupt.inc()
@@ -1100,6 +1104,7 @@ class RemoteTier(LowerTier):
             meta = None
         if meta is None or meta.key != key or meta.ns != ns:
             self._mark_bad(key, value)
+            self.report(Removed(self.name, ns, key, "corrupt"))
             self.corrupt += 1
             self.m.corrupt.inc()
             failed = self._delete(ns, key, value, meta.size if meta is not None else 0)
@@ -1111,12 +1116,12 @@ class RemoteTier(LowerTier):
 
     def remove(self, key: bytes, reason: str = "removed") -> bool:
         """Forget chunk `key` and delete it from the store on the probe thread (if its record is known)."""
-        del reason
         found = self._presence.get(key, time.monotonic())
         if found is _UNKNOWN or found is None or found[0].key != key:  # type: ignore[index]
             return False
         meta = found[0]  # type: ignore[index]
         self._presence.drop(meta, time.monotonic())
+        self.report(Removed(self.name, meta.ns, key, reason))
 
         def delete() -> None:
             node, client = self._node_of(key), self._client(primary=True)
@@ -1154,6 +1159,7 @@ class RemoteTier(LowerTier):
             failed += 1
             log.warning("remote clear of %s stopped early: %s", pattern, exc)
         self._presence.forget(ns)  # what probes recorded while the keys went
+        self.report(ClearedEvent(self.name, ns))
         return Cleared(removed, 0, failed)
 
     def _scan(self, client: Any, pattern: str) -> Iterable[list[bytes]]:

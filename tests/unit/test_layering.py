@@ -27,6 +27,8 @@ RULE_SERVER = "server modules never import kvtier.connector or kvtier.admin_api 
 RULE_LOWER = "server/l1/ and server/tiers/ never import kvtier.server.cache, kvtier.server.rpc or kvtier.server.daemon"
 RULE_TRANSFER = "server/transfer/ imports only kvtier.shm, kvtier.server.keys and kvtier.server.protocol"
 RULE_BENCH = "only server/cli.py imports kvtier.server.bench"
+RULE_EVENTS = "server/events.py imports nothing of kvtier"
+RULE_FEED = "server/l1/ and server/tiers/ never import kvtier.server.feed"
 
 
 def _within(name: str, *packages: str) -> bool:
@@ -52,6 +54,10 @@ def _broken_rules(src: str, target: str) -> list[str]:
         broken.append(RULE_TRANSFER)
     if not composition_root and _within(target, "kvtier.server.bench"):
         broken.append(RULE_BENCH)
+    if src == "kvtier.server.events":
+        broken.append(RULE_EVENTS)
+    if _within(src, "kvtier.server.l1", "kvtier.server.tiers") and _within(target, "kvtier.server.feed"):
+        broken.append(RULE_FEED)
     return broken
 
 
@@ -133,6 +139,9 @@ def _planted(root: Path, rel: str, line: str) -> tuple[list[str], int]:
      "kvtier.server.rpc", RULE_LOWER),
     ("server/tiers/planted_layering_probe.py", "from .. import daemon",  # a relative import, resolved
      "kvtier.server.tiers.planted_layering_probe", "kvtier.server.daemon", RULE_LOWER),
+    ("server/events.py", "from kvtier.server import keys", "kvtier.server.events", "kvtier.server.keys", RULE_EVENTS),
+    ("server/tiers/planted_layering_probe.py", "from kvtier.server.feed import Feed",
+     "kvtier.server.tiers.planted_layering_probe", "kvtier.server.feed.Feed", RULE_FEED),
 ])
 def test_a_planted_forbidden_import_is_caught(tmp_path: Path, path: str, line_text: str, module: str, target: str,
                                               rule: str) -> None:
