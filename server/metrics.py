@@ -144,6 +144,8 @@ class Metrics:
             self.identity_skips.labels(reason)
         for reason in UNDELIVERED_REASONS:
             self.undelivered_tokens.labels(reason)
+        for reason in ("too_many_tokens", "not_registered"):
+            self.admin_lookups_refused.labels(reason)
 
 
 class L2Metrics:
