@@ -215,3 +215,12 @@ def test_remote_prefix_pending_then_answered_without_promotion(tmp_path, redis_s
         a.stop()
         if b is not None:
             b.stop()
+
+
+def test_reserved_token_id_is_a_422_for_pin_too(srv, client):
+    """0xFFFFFFFF marks a block's extra digest in the key chain (keys.py): no token id may take it. /cache/pin
+    hashed it and failed with a 500 before; both routes refuse it as invalid input."""
+    client.register(NS)
+    body = {"namespace": NS.fingerprint().hex(), "token_ids": [0xFFFFFFFF] * 16}
+    r = srv.http.post("/cache/pin", json=body, headers=AUTH)
+    assert r.status_code == 422, r.text
