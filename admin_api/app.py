@@ -7,7 +7,7 @@ Security (docs/security.md): with an admin token set, every mutating request nee
 files or shows the environment, and request bodies are limited to MAX_BODY_BYTES.
 
 This module only wires the app; the routes live in one module per group (health, cache_routes,
-reconfigure), the request bodies in models, the guard and token checks in auth. Routes read
+lookup_route, reconfigure), the request bodies in models, the guard and token checks in auth. Routes read
 `app.state.cache` (and `app.state.daemon` for daemon facts) through the dependencies of deps.
 """
 
@@ -18,7 +18,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from kvtier.admin_api import cache_routes, health, reconfigure
+from kvtier.admin_api import cache_routes, health, lookup_route, reconfigure
 from kvtier.admin_api.auth import Guard
 from kvtier.admin_api.health import version
 from kvtier.server.daemon import Daemon
@@ -39,7 +39,7 @@ def create_app(daemon: Daemon) -> FastAPI:
     daemon.metrics.info.labels(version()).set(1)
     app.add_middleware(Guard, token=daemon.config.admin_token, counter=daemon.metrics.admin_requests)
     app.add_exception_handler(RequestValidationError, invalid_body)
-    for router in (health.router, cache_routes.router, reconfigure.router):
+    for router in (health.router, cache_routes.router, lookup_route.router, reconfigure.router):
         app.include_router(router)
     return app
 

@@ -15,7 +15,8 @@ from kvtier.server.tokens import token_matches
 MAX_BODY_BYTES = 1 << 20
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 ROUTES = frozenset(
-    {"/healthz", "/status", "/metrics", "/cache/clear", "/cache/pin", "/cache/unpin", "/reconfigure", "/openapi.json"}
+    {"/healthz", "/status", "/metrics", "/cache/clear", "/cache/pin", "/cache/unpin", "/cache/lookup",
+     "/reconfigure", "/openapi.json"}
 )
 
 

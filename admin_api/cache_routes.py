@@ -1,4 +1,5 @@
-"""Mutating cache routes (token required): POST /cache/clear, /cache/pin and /cache/unpin."""
+"""Mutating cache routes (token required): POST /cache/clear, /cache/pin and /cache/unpin (the read-only
+POST /cache/lookup is in lookup_route)."""
 
 from __future__ import annotations
 

@@ -5,15 +5,18 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from kvtier.server.eviction import POLICIES
+from kvtier.server.keys import MAX_NS_STR
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 MAX_KEYS = 65536
 MAX_TOKENS = 1 << 20
+# The most token ids one /cache/lookup may carry (a 413 beyond): its key chain is hashed on the serving loop.
+MAX_LOOKUP_TOKENS = 1 << 17
 LOG_LEVELS = ("debug", "info", "warning", "error")
 TIERS = ("l1", "l2", "remote")
 
 HexKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{32}$")]
-TokenId = Annotated[int, Field(ge=0, le=0xFFFFFFFF)]
+TokenId = Annotated[int, Field(ge=0, lt=0xFFFFFFFF)]  # 0xFFFFFFFF is reserved by the key chain (keys.py)
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
@@ -50,6 +53,26 @@ class PinRequest(BaseModel):
             raise ValueError("give either keys, or namespace and token_ids")
         if by_tokens and (self.namespace is None or self.token_ids is None):
             raise ValueError("namespace and token_ids go together")
+        return self
+
+
+class LookupRequest(BaseModel):
+    """A prompt's token ids and where to look them up: one namespace by fingerprint, or every registered
+    namespace of a model (and cache salt). Plain requests only: no LoRA, images or prompt embeddings."""
+
+    model_config = _STRICT
+    tokens: list[TokenId] = Field(description=f"the prompt's token ids (at most {MAX_LOOKUP_TOKENS})")
+    namespace: HexKey | None = Field(None, description="namespace fingerprint (hex)")
+    model: str | None = Field(None, min_length=1, max_length=MAX_NS_STR,
+                              description="every registered namespace whose `model` is this")
+    cache_salt: str = Field("", max_length=MAX_NS_STR, description="with model: the namespaces' cache_salt")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> LookupRequest:
+        if (self.namespace is None) == (self.model is None):
+            raise ValueError("give either namespace or model")
+        if self.cache_salt and self.model is None:
+            raise ValueError("cache_salt goes with model (a namespace fingerprint includes its salt)")
         return self
 
 

@@ -49,6 +49,15 @@ class Found:
     pending: bool = False  # a tier could not say yet whether it holds the next chunk (its probe is running)
 
 
+@dataclass
+class Peeked:
+    """A peek's answer: matched blocks per chunk of the longest stored prefix, the tier each was found in."""
+
+    blocks: list[int] = field(default_factory=list)
+    tiers: list[str] = field(default_factory=list)
+    pending: bool = False  # as Found.pending: the prefix may go on in a tier that is still asking its server
+
+
 def _cut(found: Found, blocks: int) -> None:
     """Cut `found` to its first `blocks` matched blocks."""
     for i, (entry, match) in enumerate(found.hits):
@@ -140,6 +149,33 @@ class Cache:
             if found.pending:
                 break
         return found
+
+    def peek(self, fp: bytes, chunks: list[list[bytes]]) -> Peeked:
+        """What a lookup of `chunks` would find now, read-only: no policy touch in L1 or L2, no promotion,
+        nothing held, leased or counted. A chunk L1 has is reported in L1 (also when a lower tier has it
+        too); the prefix goes on in the lower tiers in order, as in `lookup`. A remote tier that does not
+        know a chunk yet starts its background probe (reads only) and the answer is pending."""
+        l1 = [match for _, match in self.store.peek(fp, chunks)]
+        out = Peeked(l1, [L1] * len(l1))
+        bpc = self.store.namespace(fp).blocks_per_chunk
+        for tier in self.tiers:
+            n = len(out.blocks)
+            if n >= len(chunks) or tier.promotions.fenced(fp):
+                break
+            if n and not continues(out.blocks[-1], chunks[n - 1], bpc):
+                break  # the prefix ended inside a chunk
+            records = tier.tier.find_prefix(chunks[n:], fp)
+            if records is None:
+                out.pending = True
+                break
+            for (meta, match), block_keys in zip(records, chunks[n:], strict=False):
+                if meta.ns != fp:
+                    break
+                out.blocks.append(match)
+                out.tiers.append(L1 if meta.key in self.store.entries else tier.name)
+                if not continues(match, block_keys, bpc):
+                    break
+        return out
 
     def _count(self, found: Found, chunks: list[list[bytes]], block_size: int) -> None:
         """The lookup's metrics: requested blocks and tokens, hit tokens by the tier that had them."""

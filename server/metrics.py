@@ -115,6 +115,10 @@ class Metrics:
         self.admin_requests = Counter(
             "kvtier_admin_requests", "Admin HTTP requests, by route and status code", ["route", "code"], registry=r
         )
+        self.admin_lookups_refused = Counter(
+            "kvtier_admin_lookups_refused", "Admin /cache/lookup requests refused, by reason (too_many_tokens, "
+            "not_registered)", ["reason"], registry=r,
+        )
         self.tier_read_bw = Gauge(
             "kvtier_tier_read_bandwidth_bytes_per_second",
             "Measured read bandwidth of a lower tier (decayed average of its transfers; 0 = not measured yet)",
@@ -140,6 +144,8 @@ class Metrics:
             self.identity_skips.labels(reason)
         for reason in UNDELIVERED_REASONS:
             self.undelivered_tokens.labels(reason)
+        for reason in ("too_many_tokens", "not_registered"):
+            self.admin_lookups_refused.labels(reason)
 
 
 class L2Metrics:

@@ -130,6 +130,15 @@ class L1Store:
         reply is sent (`flush_touches`), and every policy decision applies them first, so eviction order is
         the same as if they had been applied here, at no cost to the lookup's latency.
         """
+        hits = self.peek(fp, chunks)
+        if hits:
+            self._touch_backlog.append(hits)
+            if len(self._touch_backlog) > TOUCH_BACKLOG_MAX:  # nobody flushed (no serving loop): bound it
+                self.flush_touches()
+        return hits
+
+    def peek(self, fp: bytes, chunks: list[list[bytes]]) -> list[tuple[Entry, int]]:
+        """`lookup` without touching the policy: what a read-only question (the admin lookup) may ask."""
         ns = self.namespace(fp)
         bpc = ns.blocks_per_chunk
         get = self.index.get
@@ -152,10 +161,6 @@ class L1Store:
             last = found[n] or self.index.longest(chunks[n][:-1])
             if last is not None and last[0].ns == fp:
                 hits.append(last)
-        if hits:
-            self._touch_backlog.append(hits)
-            if len(self._touch_backlog) > TOUCH_BACKLOG_MAX:  # nobody flushed (no serving loop): bound it
-                self.flush_touches()
         return hits
 
     def flush_touches(self) -> None:

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True),
     st.text(max_size=40), st.sampled_from(["all", "namespace", "tier", "l1", "l2", "lru", "lirs", "reuse", "debug", "00" * 16,
-                                           NS.fingerprint().hex(), "ab" * 16, ""]),
+                                           NS.fingerprint().hex(), "ab" * 16, "", NS.model]),
 )
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10),
                                                                                                    inner, max_size=5),
@@ -44,7 +44,7 @@ def test_fuzz_no_5xx(srv):
     schema = srv.http.get("/openapi.json").json()
     posts = [p for p, ops in schema["paths"].items() if "post" in ops]
     gets = [p for p, ops in schema["paths"].items() if "get" in ops]
-    assert set(posts) == {"/cache/clear", "/cache/pin", "/cache/unpin", "/reconfigure"}
+    assert set(posts) == {"/cache/clear", "/cache/pin", "/cache/unpin", "/cache/lookup", "/reconfigure"}
     bodies = st.one_of(*[st.tuples(st.just(p), post_bodies(schema, p)) for p in posts])
     headers = st.sampled_from([AUTH, {}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic x"}])
 

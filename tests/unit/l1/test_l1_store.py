@@ -462,6 +462,26 @@ def test_queued_lookup_touches_count_before_the_next_eviction(policy):
     assert block_key(1, BPC) in store.entries and block_key(2, BPC) not in store.entries
 
 
+@pytest.mark.parametrize("policy", ["lru", DEFAULT_POLICY])
+def test_peek_finds_what_lookup_finds_and_touches_nothing(policy):
+    """A peek (the admin lookup's) answers as a lookup but queues no touch: the entry peeked at stays the
+    older one and is the victim of the next eviction."""
+    store, holds, fp = make_l1(num_pages=2, policy=policy)
+    a = hello(holds, b"a")
+    for family in (1, 2):  # family 1 is the older entry
+        [r] = holds.reserve(a, fp, [item(family, BPC, PAGE)])
+        holds.commit(a, [r[1]])
+    chunks = [[block_key(1, j) for j in range(1, BPC + 1)]]
+    assert store.peek(fp, chunks) == store.lookup(fp, chunks) and store.peek(fp, chunks)[0][1] == BPC
+    store.flush_touches()
+    for _ in range(3):
+        store.peek(fp, [[block_key(2, j) for j in range(1, BPC + 1)]])
+    assert not store._touch_backlog
+    [r] = holds.reserve(a, fp, [item(3, BPC, PAGE)])  # needs one page: evicts a victim
+    assert r[0] == p.RESERVED
+    assert block_key(1, BPC) in store.entries and block_key(2, BPC) not in store.entries
+
+
 def test_a_refused_offer_is_counted_and_evicts_nothing():
     store, holds, fp, a = full_l1(RefuseAll())
     assert holds.reserve(a, fp, [item(3, BPC, PAGE)]) == [[p.REFUSED, p.NOT_ADMITTED]]
