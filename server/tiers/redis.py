@@ -19,7 +19,8 @@ else the parts (one non-atomic batch), then the header with SET NX, then the chu
 each alias key (`_add_holder`), all with the TTL (parts a little longer, so a header never outlives its parts
 by expiry). Every chunk holding a prefix is kept, as PrefixIndex's shadowed holders locally: two prompts that
 share a document and differ after it both hold its leading blocks, and when one holder expires or goes, a
-probe finds the others (an alias key names at most ALIAS_HOLDERS distinct chunks once compacted: the newest). A put that loses the NX race
+probe finds the others (a string, not a Redis set: the probe's one MGET still reads it; compacted to the
+newest ALIAS_HOLDERS by the writer that grows it past ALIAS_COMPACT_BYTES). A put that loses the NX race
 deletes its own parts: a reader only ever sees one generation's parts, whose checksum is in its header, so
 two writers of different bytes never mix. A node that answers OOM (full, its policy evicts nothing) gets no
 writes for FULL_PAUSE_S[0], doubled per refused retry (skipped writes counted); reads go on.
