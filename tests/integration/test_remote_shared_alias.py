@@ -14,10 +14,11 @@ import time
 
 import numpy as np
 import pytest
+from _support import wait_for
 from kvtier.server.keys import chunk_keys
 from kvtier.server.tiers.record import ChunkMeta
 from kvtier.server.tiers.redis import ALIAS, ALIAS_COMPACT_BYTES, ALIAS_HOLDERS, RemoteTier
-from test_remote_nodes import NS, client, lookup, prompt, read_blocks, start_nodes, store_and_drain
+from test_remote_nodes import BLOCK_BYTES, NS, client, lookup, prompt, read_blocks, start_nodes, write
 from test_remote_tier import answered, keys_matching, raw_client, read, tiers, url  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
@@ -58,8 +59,10 @@ def test_another_node_finds_the_document_through_the_second_question_once_the_fi
     doc = prompt(301, 10 * NS.block_size)  # chunks 0 and 1, and the first 2 blocks of chunk 2
     asks = [np.concatenate([doc, prompt(310 + q, 6 * NS.block_size)]) for q in range(3)]  # doc + question q
     ca = client(a.url)
-    for tokens in asks[:2]:  # one after the other: question 0's chunk 2 is the first holder of the doc's end
-        store_and_drain(ca, [tokens])
+    for n, tokens in ((4, asks[0]), (6, asks[1])):  # one after the other: question 0's chunk 2 holds first
+        ca.store(NS, tokens, lambda ch: len(ch.block_keys) * BLOCK_BYTES, write)
+        wait_for(lambda n=n: (s := ca.stats()) and s["remote_written"] >= n and s["remote_queue_depth"] == 0
+                 and s["remote_inflight"] == 0, timeout=60, what=f"{n} chunks written to the store")
     first, second = chunk_keys(NS, asks[0])[2], chunk_keys(NS, asks[1])[2]
     assert first.key != second.key and first.aliases[:2] == second.aliases[:2]
     unlink_chunk(url_, tier_prefix, first.key)
