@@ -7,15 +7,20 @@ Layout (`<ns>`, `<key>`: hex of the namespace fingerprint and the chunk key):
     <prefix>:<ns>:{<key>}:h           generation (8 random bytes per put) + record.py's header (fields, XXH3-128
                                       checksum of the fields and the payload)
     <prefix>:<ns>:{<key>}:<gen>:<i>   payload part i (1 MiB; the last one shorter) of that generation
-    <prefix>:<ns>:{<alias>}:a         chunk key + leading block count (u32): a block-prefix alias, so that a
-                                      lookup ending inside a chunk finds it as FsTier's index does locally
+    <prefix>:<ns>:{<alias>}:a         holders of a block-prefix alias, so that a lookup ending inside a chunk
+                                      finds it as FsTier's index does locally: records of chunk key + leading
+                                      block count (u32), one after another, the newest last (APPENDed)
 
 The hash tag is the chunk key: a chunk's header and parts live in one Cluster slot, and a prompt's chunks
 spread over every master.
 
 Writes (`put`, write-behind threads): skipped when the header exists (another node wrote it: `existing`);
-else the parts (one non-atomic batch), then the header with SET NX, then the aliases with NX, all with the TTL
-(parts a little longer, so a header never outlives its parts by expiry). A put that loses the NX race
+else the parts (one non-atomic batch), then the header with SET NX, then the chunk is added as a holder to
+each alias key (`_add_holder`), all with the TTL (parts a little longer, so a header never outlives its parts
+by expiry). Every chunk holding a prefix is kept, as PrefixIndex's shadowed holders locally: two prompts that
+share a document and differ after it both hold its leading blocks, and when one holder expires or goes, a
+probe finds the others (a string, not a Redis set: the probe's one MGET still reads it; compacted to the
+newest ALIAS_HOLDERS by the writer that grows it past ALIAS_COMPACT_BYTES). A put that loses the NX race
 deletes its own parts: a reader only ever sees one generation's parts, whose checksum is in its header, so
 two writers of different bytes never mix. A node that answers OOM (full, its policy evicts nothing) gets no
 writes for FULL_PAUSE_S[0], doubled per refused retry (skipped writes counted); reads go on.
@@ -94,7 +99,9 @@ PART_BYTES = 1 << 20  # one value per MiB: multi-MB values move ~2.5x slower (re
 GROUP_PARTS = 8  # parts a read asks for in one MGET: Redis 7 serves one reply of 32 MiB ~2x slower than 4 of 8
 GENS_MAX = 16_384  # chunk generations remembered from probes and reads (a known one is read in one round trip)
 GEN_BYTES = 8
-ALIAS = struct.Struct("<16sI")  # an alias key's value: chunk key, leading blocks
+ALIAS = struct.Struct("<16sI")  # one holder in an alias key's value: chunk key, leading blocks
+ALIAS_HOLDERS = 8  # holders a probe tries per alias key (the newest) and a compaction keeps
+ALIAS_COMPACT_BYTES = 2 * ALIAS_HOLDERS * ALIAS.size  # an alias value grown past this is compacted by its writer
 PART_TTL_MARGIN_MS = 60_000  # parts outlive their header by this much
 PRESENT_TTL_S = 30.0  # how long the presence cache trusts a chunk it saw (the store may evict it meanwhile)
 MISSING_TTL_S = 2.0  # ... and a miss (another node may write the chunk): a new chunk is seen this late at most
@@ -133,6 +140,11 @@ def _node_failure(exc: BaseException) -> bool:
     """Whether `exc` says the node did not answer (towards opening its breaker), not that it refused. A glide
     client that never connected raises a plain RequestError ("... connect failed") for a node that is down."""
     return isinstance(exc, _NODE_FAILURES) or (isinstance(exc, glide.RequestError) and "connect" in str(exc).lower())
+
+
+def _denied(reply: object) -> bool:
+    """Whether a batch's reply is the store's refusal of a command the ACL user may not run."""
+    return isinstance(reply, glide.RequestError) and any(w in str(reply) for w in ("NOPERM", "PermissionDenied"))
 
 
 def _full(exc: object) -> bool:
@@ -296,6 +308,21 @@ def _verified(bufs: Sequence, size: int, fields: bytes, checksum: bytes) -> bool
     return h.digest() == checksum
 
 
+def _holders(value: bytes) -> list[bytes]:
+    """An alias key's holder records (ALIAS each, appended: the newest last), newest first, each once, at
+    most ALIAS_HOLDERS. Bytes before the first whole record are not kvtier's and are ignored (a record is
+    verified against its chunk's header before it is used). A value an earlier kvtier wrote (one record,
+    SET NX) reads as its one holder."""
+    out: list[bytes] = []
+    for end in range(len(value), len(value) % ALIAS.size, -ALIAS.size):
+        record = value[end - ALIAS.size : end]
+        if record not in out:
+            out.append(record)
+            if len(out) == ALIAS_HOLDERS:
+                break
+    return out
+
+
 def _slot(tag: bytes) -> int:
     """The Cluster slot of keys whose hash tag is `tag` (CRC16/XMODEM mod 16384)."""
     return binascii.crc_hqx(tag, 0) % CLUSTER_SLOTS
@@ -346,6 +373,7 @@ class RemoteTier(LowerTier):
         self._refreshed: OrderedDict[bytes, float] = OrderedDict()  # chunk key -> its next TTL refresh, not before
         self._touches: dict[str, list[tuple[str, int]]] = {}  # node -> (key, TTL ms) to PEXPIRE at the next tick
         self._no_expire = False  # the store refused PEXPIRE (an ACL without it): TTLs are not refreshed
+        self._no_append = False  # ... and APPEND: an alias key keeps its first holder (SET NX), as before holders
         self.written = self.written_bytes = 0
         self.existing = self.corrupt = self.missing = self.pending = 0
         self.rejected = self.timeouts = self.errors = self.skipped = 0
@@ -682,33 +710,85 @@ class RemoteTier(LowerTier):
         self._presence.add(meta, time.monotonic())
 
     def _put_header(self, node: str, client: Any, meta: ChunkMeta, hkey: str, header: bytes) -> bool:
-        """SET NX the header and the alias keys, those on the chunk's node in its pipeline (an alias's value
-        names the chunk, whichever writer wins), the others after it (best effort: a missing alias only
-        loses that partial match). Whether this header went in; a failure of the chunk's node raises."""
+        """SET NX the header and add the chunk as a holder to its alias keys (`_add_holder`), those on the
+        chunk's node in its pipeline (a holder names the chunk, whichever writer wins), the others after it
+        (best effort: a missing holder only loses that partial match). Whether this header went in; a
+        failure of the chunk's node raises."""
         nx, expiry = glide.ConditionalChange.ONLY_IF_DOES_NOT_EXIST, self._expiry()
-        by_node = {node: [(hkey, header)]}
+        by_node: dict[str, list[tuple[str, bytes]]] = {node: []}
         for where, items in self._aliases_by_node(meta).items():
             by_node.setdefault(where, []).extend(items)
+        append = not self._no_append
+        span, at = (3, 1) if append and self.ttl_ms else (1, 0)  # commands per holder added, its APPEND's place
         won = False
         for where, items in by_node.items():
-            def fill(batch: Any, items: list[tuple[str, bytes]] = items) -> None:
+            first = where == node
+
+            def fill(batch: Any, items: list[tuple[str, bytes]] = items, first: bool = first) -> None:
+                if first:
+                    batch.set(hkey, header, conditional_set=nx, expiry=expiry)
                 for k, v in items:
-                    batch.set(k, v, conditional_set=nx, expiry=expiry)
+                    self._add_holder(batch, k, v, append)
 
             try:
                 results = self._call(where, "put", lambda fill=fill: self._batch(client, fill, 0))
             except (_Unavailable, glide.RequestError):
-                if where == node:
+                if first:
                     raise
                 continue
-            if where == node:
+            if first:
                 if results and isinstance(results[0], glide.RequestError):
                     raise results[0]  # the server refused the header (out of memory, no permission)
                 won = bool(results) and results[0] is not None
+                results = results[1:]
+            if not append:
+                continue
+            lengths = results[at::span]  # each APPEND's reply: the value's new length
+            if any(_denied(n) for n in lengths):
+                self._append_denied(next(n for n in lengths if _denied(n)))
+            grown = [k for (k, _), n in zip(items, lengths, strict=False)
+                     if type(n) is int and n > ALIAS_COMPACT_BYTES]
+            if grown:
+                self._compact(where, client, grown)
         return won
 
+    def _append_denied(self, denied: object) -> None:
+        """The store refused APPEND (an ACL without it): aliases are written as before holders, SET NX of the
+        first holder (that prefix is lost with it); logged once."""
+        if not self._no_append:
+            self._no_append = True
+            log.warning("remote store %s refused APPEND (%s): a block-prefix alias keeps only its first holder "
+                        "(the ACL of docs/remote.md grants it)", self.path, denied)
+
+    def _add_holder(self, batch: Any, key: str, holder: bytes, append: bool) -> None:
+        """Queue the commands that add `holder` (ALIAS) at the end of alias key `key`'s value: with a TTL, the
+        key made empty with it if missing (so it expires even for a user that may not PEXPIRE), the APPEND,
+        the TTL renewed (every holder's write keeps the prefix findable that long); else the APPEND alone.
+        Without `append` (the store refused it): SET NX of the holder, the first one kept."""
+        if not append:
+            batch.set(key, holder, conditional_set=glide.ConditionalChange.ONLY_IF_DOES_NOT_EXIST,
+                      expiry=self._expiry())
+            return
+        if self.ttl_ms:
+            batch.set(key, b"", conditional_set=glide.ConditionalChange.ONLY_IF_DOES_NOT_EXIST,
+                      expiry=self._expiry())
+        batch.append(key, holder)
+        if self.ttl_ms:
+            batch.pexpire(key, self.ttl_ms)
+
+    def _compact(self, node: str, client: Any, keys: list[str]) -> None:
+        """Rewrite alias keys of `node` grown past ALIAS_COMPACT_BYTES with their newest ALIAS_HOLDERS
+        distinct holders (GET, then SET with the TTL: a holder another writer appends in between is lost, a
+        partial match less, never a wrong one). Best effort."""
+        for key in keys:
+            with contextlib.suppress(_Unavailable, glide.RequestError):
+                value = self._call(node, "put", lambda key=key: client.get(key))
+                if isinstance(value, bytes):
+                    kept = b"".join(reversed(_holders(value)))
+                    self._call(node, "put", lambda key=key, kept=kept: client.set(key, kept, expiry=self._expiry()))
+
     def _aliases_by_node(self, meta: ChunkMeta) -> dict[str, list[tuple[str, bytes]]]:
-        """The alias keys of `meta` and their values (the chunk key, the leading blocks), by node."""
+        """The alias keys of `meta` and its holder record in each (the chunk key, the leading blocks), by node."""
         by_node: dict[str, list[tuple[str, bytes]]] = {}
         for j, alias in enumerate(meta.aliases, start=1):
             by_node.setdefault(self._node_of(alias), []).append(
@@ -828,8 +908,8 @@ class RemoteTier(LowerTier):
                 results = self._call(where, "put", lambda fill=fill: self._batch(client, fill, 0))
             except (_Unavailable, glide.RequestError):
                 continue
-            denied = next((r for r in results if isinstance(r, glide.RequestError)), None)
-            if denied is not None and any(w in str(denied) for w in ("NOPERM", "PermissionDenied")):
+            denied = next((r for r in results if _denied(r)), None)
+            if denied is not None:
                 self._no_expire = True
                 log.warning("remote store %s refused PEXPIRE (%s): chunks read keep the TTL they were written with "
                             "(the ACL of docs/remote.md grants it)", self.path, denied)
@@ -1042,20 +1122,27 @@ class RemoteTier(LowerTier):
                 self._remember_gen(key, value)
                 self._presence.add(meta, now)
                 found[key] = (meta, meta.blocks)
-        wanted = {}
+        wanted: dict[bytes, list[tuple[bytes, bytes, int]]] = {}  # alias -> its holders, newest first
         for (ns, key, _), value in pointers.items():
-            if key not in found and len(value) == ALIAS.size:
-                chunk, lead = ALIAS.unpack(value)
-                wanted[key] = (ns, chunk, lead)
+            if key not in found:
+                wanted.setdefault(key, []).extend((ns, *ALIAS.unpack(record)) for record in _holders(value))
         if wanted:
-            targets, _ = self._get_many([(ns, chunk, "h") for ns, chunk, _ in wanted.values()])
-            for key, (ns, chunk, lead) in wanted.items():
+            chunks = dict.fromkeys((ns, chunk) for holders in wanted.values() for ns, chunk, _ in holders)
+            targets, _ = self._get_many([(ns, chunk, "h") for ns, chunk in chunks])
+            metas: dict[tuple[bytes, bytes], ChunkMeta] = {}
+            for ns, chunk in chunks:
                 value = targets.get((ns, chunk, "h"))
                 meta = self._decode(ns, chunk, value) if value is not None else None
-                if meta is not None and 0 < lead <= len(meta.aliases) and meta.aliases[lead - 1] == key:
+                if meta is not None:
                     self._remember_gen(chunk, value)  # type: ignore[arg-type]
                     self._presence.add(meta, now)
-                    found[key] = (meta, lead)
+                    metas[ns, chunk] = meta
+            for key, holders in wanted.items():  # the newest holder still there that holds this prefix
+                for ns, chunk, lead in holders:
+                    meta = metas.get((ns, chunk))
+                    if meta is not None and 0 < lead <= len(meta.aliases) and meta.aliases[lead - 1] == key:
+                        found[key] = (meta, lead)
+                        break
         for key, hit in found.items():
             self._presence.found(key, hit, now)
         self._presence.missing([k for k in keys if k not in found and self._presence.get(k, now) is _UNKNOWN], now)
