@@ -54,6 +54,7 @@ async def status(request: Request, cache: CacheDep, daemon: DaemonDep) -> dict:
         "l1": {**cache.l1_status(), "shm_name": daemon.segment.name, "shm_dir": daemon.segment.directory},
         "l2": l2.stats() if l2 is not None else {"l2_enabled": False},
         "remote": remote.stats() if remote is not None else {"remote_enabled": False},
+        "tiers": [{"name": tier.name, **tier.stats()} for tier in cache.tiers],  # lookup order, any tier
         "shm_others": _others(daemon.segment.directory, daemon.segment.name),
         "namespaces": cache.namespace_stats(),
         "clients": cache.client_stats(),

@@ -86,6 +86,45 @@ def render_l2(l2: dict[str, Any]) -> list[str]:
     ]
 
 
+def render_remote(remote: dict[str, Any]) -> list[str]:
+    cap, used = remote.get("remote_capacity_bytes", 0), remote.get("remote_used_bytes", 0)
+    of = f"{human_bytes(cap)} ({100 * used / cap:.0f}%)" if cap else "no limit"
+    breakers, paused = remote.get("remote_breakers_open", []), remote.get("remote_writes_paused", [])
+    return [
+        f"remote  {remote.get('remote_url', '?')}  rtt {1e3 * remote.get('remote_rtt_s', 0.0):.2f} ms",
+        f"    {human_bytes(used)} used of {of} (whole store), {remote.get('remote_entries', 0)} chunks known; "
+        f"{remote.get('remote_written', 0)} written, {remote.get('remote_existing_writes', 0)} existing, "
+        f"{remote.get('remote_skipped_writes', 0)} skipped",
+        f"    {remote.get('remote_missing_chunks', 0)} missing, {remote.get('remote_corrupt_chunks', 0)} corrupt, "
+        f"{remote.get('remote_timeouts', 0)} timeouts, {remote.get('remote_errors', 0)} errors, "
+        f"{remote.get('remote_rejected_calls', 0)} rejected calls",
+        f"    breakers open: {', '.join(breakers) or 'none'}; writes paused: {', '.join(paused) or 'none'}",
+    ]
+
+
+def render_tier(tier: dict[str, Any]) -> list[str]:
+    """Any other tier: its name and its numeric fields (prefix dropped), so a new tier shows without a CLI change."""
+    name = str(tier.get("name", "?"))
+    fields = [f"{k.removeprefix(name + '_')} {v}" for k, v in tier.items()
+              if isinstance(v, int | float) and not isinstance(v, bool)]
+    return [f"{name}  {', '.join(fields) or 'no numeric fields'}"]
+
+
+RENDERERS = {"l2": render_l2, "remote": render_remote}
+
+
+def render_tiers(status: dict[str, Any]) -> list[str]:
+    """Every lower tier of /status `tiers`, in lookup order ("L2  off" where there is none, as before `tiers`;
+    a server older than `tiers`: its `l2` key)."""
+    tiers = status.get("tiers")
+    if tiers is None:
+        return render_l2(status.get("l2", {}))
+    lines = [] if any(t.get("name") == "l2" for t in tiers) else render_l2({})
+    for tier in tiers:
+        lines += RENDERERS.get(tier.get("name", ""), render_tier)(tier)
+    return lines
+
+
 def render(status: dict[str, Any]) -> str:
     l1 = status.get("l1", {})
     cap, used = l1.get("capacity_bytes", 0), l1.get("used_bytes", 0)
@@ -99,7 +138,7 @@ def render(status: dict[str, Any]) -> str:
         f"pages of {human_bytes(l1.get('page_size', 0))})",
         f"    {l1.get('entries', 0)} chunks, {human_bytes(l1.get('pinned_bytes', 0))} pinned, "
         f"{l1.get('leases', 0)} leases, {l1.get('reservations', 0)} open writes",
-        *render_l2(status.get("l2", {})),
+        *render_tiers(status),
         "",
     ]
     namespaces = status.get("namespaces", [])

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -18,6 +19,7 @@ from kvtier.connector.client import ClientConfig, KVTierClient
 from kvtier.server.eviction import DEFAULT_POLICY
 from kvtier.server.keys import Namespace, chunk_keys
 from prometheus_client.parser import text_string_to_metric_families
+from redis_servers import redis_acl, redis_standalone  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
 
@@ -428,6 +430,36 @@ def test_status_shows_l2(tmp_path):
         r = subprocess.run([sys.executable, "-m", "kvtier.server.cli", "status", "--url", s.url],
                            capture_output=True, text=True, timeout=30)
         assert r.returncode == 0 and "L2  " in r.stdout and "2 chunks" in r.stdout, r.stdout
+        c.close()
+    finally:
+        s.stop()
+
+
+def test_status_shows_every_tier(tmp_path, redis_acl):  # noqa: F811 - fixture
+    """With an L2 and a remote tier, /status `tiers` lists both (lookup order) and `kvtier status` prints the
+    remote tier: its URL without the password, its counts."""
+    password = redis_acl.split("@")[0].rsplit(":", 1)[1]
+    s = Server(tmp_path, "--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "0.01", "--remote-url", redis_acl,
+               "--remote-prefix", f"t{uuid.uuid4().hex[:10]}")
+    try:
+        c = s.client()
+        assert store(c, doc(32, 128)).stored == 2
+        deadline = time.monotonic() + 20
+        while (t := s.http.get("/status").json())["remote"].get("remote_written", 0) < 2:
+            assert time.monotonic() < deadline, t["remote"]
+            time.sleep(0.05)
+        tiers = {tier["name"]: tier for tier in t["tiers"]}
+        assert [tier["name"] for tier in t["tiers"]] == ["l2", "remote"]
+        assert tiers["remote"]["remote_url"] == t["remote"]["remote_url"] and password not in json.dumps(t)
+        assert tiers["l2"]["l2_enabled"] and tiers["remote"]["remote_written"] >= 2
+        r = subprocess.run([sys.executable, "-m", "kvtier.server.cli", "status", "--url", s.url],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 0, r.stderr
+        remote = [line for line in r.stdout.splitlines() if line.startswith("remote  ")]
+        assert len(remote) == 1 and t["remote"]["remote_url"] in remote[0], r.stdout
+        assert password not in r.stdout and "L2  " in r.stdout
+        written = s.http.get("/status").json()["remote"]["remote_written"]
+        assert f"{written} written" in r.stdout and "0 corrupt, 0 timeouts, 0 errors" in r.stdout, r.stdout
         c.close()
     finally:
         s.stop()
