@@ -57,10 +57,11 @@ def proxied(url: str, port: int) -> str:
     return f"{scheme}://{creds}{at}127.0.0.1:{port}{slash}{db}"
 
 
-def _ping_s(client: Any) -> float:
+def ping_s(client: Any, n: int = PINGS) -> float:
+    """The median round trip of `n` PINGs on a connected client (one PING first connects it)."""
     client.ping()
     samples = []
-    for _ in range(PINGS):
+    for _ in range(n):
         t0 = time.perf_counter()
         client.ping()
         samples.append(time.perf_counter() - t0)
@@ -168,14 +169,14 @@ def bench_rtt(url: str, rtts_ms: list[float], sizes: list[int], total: int, reps
     rng = np.random.default_rng(0)
     out: dict[str, Any] = {"server": server_info(direct, False), "prefix": prefix, "rtts": {}}
     try:
-        direct_ping = _ping_s(direct)
+        direct_ping = ping_s(direct)
         out["direct_rtt_us"] = direct_ping * 1e6
         for rtt in rtts_ms:
             with spawn(host, port, rtt / 1000) as proxy_port:
                 proxy_url = proxied(url, proxy_port)
                 pinger = raw_client(proxy_url)
                 try:
-                    added = _ping_s(pinger) - direct_ping
+                    added = ping_s(pinger) - direct_ping
                 finally:
                     pinger.close()
                 rows = {f"{size / MiB:g}": _size_row(url, direct, proxy_url, prefix, size, max(1, total // size),

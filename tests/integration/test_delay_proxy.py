@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
-import time
 from collections.abc import Iterator
 
 import glide_sync as glide
 import pytest
 from kvtier.server.bench.delay_proxy import DelayProxy, spawn
+from kvtier.server.bench.remote_rtt import ping_s
 
 pytestmark = pytest.mark.integration
 pytest_plugins = ("redis_servers",)  # redis_standalone
@@ -23,16 +22,6 @@ RTT_S = 0.02  # large against this machine's scheduling noise (a loaded 2-core V
 def _client(port: int) -> glide.GlideClient:
     return glide.GlideClient.create(glide.GlideClientConfiguration([glide.NodeAddress("127.0.0.1", port)],
                                                                    request_timeout=30_000))
-
-
-def _ping_s(client: glide.GlideClient, n: int = 7) -> float:
-    client.ping()
-    samples = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        client.ping()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def _port(url: str) -> int:
@@ -49,11 +38,11 @@ def _in_thread(host: str, port: int, rtt_s: float) -> Iterator[int]:
 def test_a_round_trip_through_the_proxy_takes_the_added_rtt(redis_standalone, start):
     direct = _client(_port(redis_standalone))
     try:
-        base = _ping_s(direct)
+        base = ping_s(direct, 7)
         with start("127.0.0.1", _port(redis_standalone), RTT_S) as port:
             client = _client(port)
             try:
-                added = _ping_s(client) - base
+                added = ping_s(client, 7) - base
             finally:
                 client.close()
     finally:
