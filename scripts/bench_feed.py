@@ -2,11 +2,17 @@
 the feed and one with it and a stalled subscriber (a SUB that never reads), interleaved in one run.
 
     .venv/bin/python scripts/bench_feed.py [ROUNDS] [PROMPTS] [aa]
+    .venv/bin/python scripts/bench_feed.py lookup [ROUNDS]
 
 Each round stores PROMPTS new 4-chunk prompts and looks each up once on both servers (alternating which goes
 first); prints each round's time per prompt and the ratio of the medians (feed / no feed). `aa`: the second
 server without the feed too (the run's noise: the ratio of two equal servers).
+
+`lookup`: `kvtier bench lookup` itself (10^3 and 10^4 chunks stored, 500 lookups per level), ROUNDS times with
+and without `--stalled-subscriber`, alternating which goes first; prints the ratio of the medians of the p50
+lookup latency at each level (stalled subscriber / no feed).
 """
+import json
 import os
 import statistics
 import subprocess
@@ -86,5 +92,26 @@ def main() -> None:
             proc.wait(timeout=30)
 
 
+def lookup_rounds(rounds: int) -> None:
+    base = [sys.executable, "-m", "kvtier.server.cli", "bench", "lookup", "--iters", "500", "--max-entries", "10000",
+            "--no-idle", "--json"]
+    runs: dict[str, list[dict[int, float]]] = {"no feed": [], "stalled": []}
+    for r in range(rounds):
+        for name in (["no feed", "stalled"] if r % 2 == 0 else ["stalled", "no feed"]):
+            out = subprocess.run(base + (["--stalled-subscriber"] if name == "stalled" else []), check=True,
+                                 capture_output=True, text=True, timeout=900)
+            levels = json.loads(out.stdout)["levels"]
+            runs[name].append({lv["entries"]: lv["latency"]["kvtier_lookup"]["p50_us"] for lv in levels})
+    for entries in runs["no feed"][0]:
+        per = {name: [run[entries] for run in rs] for name, rs in runs.items()}
+        for name, ps in per.items():
+            print(f"{entries:>6} chunks {name:8} lookup p50 us: " + " ".join(f"{v:.0f}" for v in ps))
+        ratio = statistics.median(per["stalled"]) / statistics.median(per["no feed"])
+        print(f"{entries:>6} chunks ratio of medians stalled subscriber / no feed: {ratio:.3f}")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["lookup"]:
+        lookup_rounds(int(sys.argv[2]) if len(sys.argv) > 2 else 5)
+    else:
+        main()

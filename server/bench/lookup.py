@@ -12,9 +12,13 @@ to 65,536 items (1 KiB pages so that 10^6 entries fit a sparse 1 GiB segment tha
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -34,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-idle", action="store_true", help="skip the idle-server RSS / startup measurement")
     parser.add_argument("--plot", default="", help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--stalled-subscriber", action="store_true",
+                        help="start the server with the event feed (--events-endpoint) and a subscriber that never "
+                             "reads: what a stalled feed consumer costs a lookup")
 
 
 # -- the echo baseline -----------------------------------------------------------------------------
@@ -168,6 +175,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _stalled(on: bool, address: str) -> Iterator[None]:
+    """A SUB on the server's event feed that never reads (its 10-message queue fills at once), held open."""
+    if not on:
+        yield
+        return
+    import zmq
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 10)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(address)
+    try:
+        yield
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+
+
 def _levels(args, levels, l1_gb, page_kb, ns, filler, tokens, chunks, miss_chunks, nkeys,  # noqa: ANN001
             echo_sync, echo_uv, rows, rng) -> tuple[int, float, dict[str, int]]:  # noqa: ANN001
     """Fill the index level by level and measure every method at each level (rows appended)."""
@@ -175,8 +202,10 @@ def _levels(args, levels, l1_gb, page_kb, ns, filler, tokens, chunks, miss_chunk
     from kvtier.server import protocol as p
     from kvtier.server.keys import ChunkKeys
 
-    with bc.server_or_url(args.url or None, l1_gb, ["--page-size-kb", str(page_kb),
-                                                    "--eviction-policy", "lru"]) as server:
+    feed = f"ipc://{tempfile.gettempdir()}/kvtier-bench-lookup-feed-{os.getpid()}"
+    extra = ["--page-size-kb", str(page_kb), "--eviction-policy", "lru"]
+    with bc.server_or_url(args.url or None, l1_gb, extra + (["--events-endpoint", feed] if args.stalled_subscriber
+                                                            else [])) as server, _stalled(args.stalled_subscriber, feed):
         client = KVTierClient(ClientConfig(url=args.url or server.url, strict=True, request_timeout_s=120.0))
         client.connect()
         fp = client._ns_id(ns)  # the same frame the client sends, for the echo
@@ -239,6 +268,7 @@ def _result(args, rows, nkeys, chunks, request_bytes, fill_s, rss0, idle) -> dic
         "fill_seconds": fill_s,
         "rss_before_fill": rss0,
         "idle": idle,
+        "stalled_subscriber": args.stalled_subscriber,
         "figure": {"name": f"kvtier lookup p50 us ({nkeys} keys, full hit, {first['entries']} entries)",
                    "value": first["latency"]["kvtier_lookup"]["p50_us"]},
         "baseline": {"name": f"bare ZeroMQ DEALER/ROUTER + msgpack echo p50 us of the same {request_bytes}-byte "
