@@ -144,6 +144,7 @@ def test_feed_stores_evictions_clear_replay_snapshot_and_epoch(kvtier_server):
         apply(late, [e for s, b in replayed if s <= again[0][0] for e in b["events"]])
         assert late["l1"] == {e["key"] for _, b in again for e in b["events"]} and late["l1"] != held
         assert len(late["l1"]) == c.stats()["entries"]
+        assert len(late["l1"]) == httpx.get(f"http://127.0.0.1:{http}/status", timeout=10).json()["l1"]["entries"]
 
         # an admin clear is one Cleared event, after which the view is empty
         r = httpx.post(f"http://127.0.0.1:{http}/cache/clear", json={"scope": "all"}, timeout=10)
