@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvtier.server import protocol as p
 from kvtier.server.keys import Namespace
-from kvtier.server.l1.journal import Unheld
+from kvtier.server.l1.journal_records import Unheld
 from kvtier.server.l1.pool import Extents, extent_pages
 from kvtier.server.l1.store import Entry, L1Store
 from kvtier.server.metrics import Metrics

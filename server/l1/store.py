@@ -21,7 +21,8 @@ from kvtier.server import protocol as p
 from kvtier.server.eviction.base import EvictionPolicy
 from kvtier.server.index import PrefixIndex
 from kvtier.server.keys import Namespace
-from kvtier.server.l1.journal import L1Journal, Unheld
+from kvtier.server.l1.journal import L1Journal
+from kvtier.server.l1.journal_records import Unheld
 from kvtier.server.l1.pool import Extents, PagePool, extent_pages
 from kvtier.server.metrics import L1, Metrics
 
