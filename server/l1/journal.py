@@ -19,9 +19,9 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from itertools import chain
-from typing import TYPE_CHECKING
 
 from kvtier.server.keys import Namespace
+from kvtier.server.l1.entry import Entry
 from kvtier.server.l1.journal_records import (
     NO_WRITER,
     SLACK,
@@ -36,9 +36,6 @@ from kvtier.server.l1.pool import Extents
 from kvtier.server.l1.replay import AdoptedEntry
 from kvtier.server.metrics import Metrics
 from kvtier.shm.journal import Journal, Staging
-
-if TYPE_CHECKING:
-    from kvtier.server.l1.store import Entry
 
 log = logging.getLogger("kvtier.server")
 

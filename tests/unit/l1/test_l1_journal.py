@@ -18,12 +18,13 @@ import msgpack
 import numpy as np
 import pytest
 from kvtier.server.eviction import make_policy
+from kvtier.server.l1.entry import Entry
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.journal import L1Journal
 from kvtier.server.l1.journal_records import ALLOC, COMMIT, FREE, NAMESPACE, REMOVE, VERSION, half_bytes
 from kvtier.server.l1.pool import PagePool, extent_pages, from_extents
 from kvtier.server.l1.replay import replay
-from kvtier.server.l1.store import Entry, L1Store
+from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.shm.journal import Journal, JournalDamaged, JournalMismatch, Staging, frame, journal_bytes, parse
 from kvtier.shm.segment import Segment
