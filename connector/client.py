@@ -83,6 +83,10 @@ class KVTierClient(Session):
         reply = self.request({"op": "release", "leases": list(leases)})
         return int(reply["released"]) if reply else 0
 
+    def report(self, counts: dict[str, Any], ns: Namespace | None = None) -> bool:
+        """Send a connector's counts (the `report` op: skipped requests, undelivered tokens, verifications)."""
+        return self.request({"op": "report", **counts}, ns) is not None
+
     # -- store -----------------------------------------------------------------------------------
 
     def store(

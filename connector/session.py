@@ -297,7 +297,3 @@ class Session:
 
     def stats(self) -> dict[str, Any] | None:
         return self._request({"op": "stats"})
-
-    def report(self, counts: dict[str, Any], ns: Namespace | None = None) -> bool:
-        """Send a connector's counts (the `report` op: skipped requests, undelivered tokens, verifications)."""
-        return self._request({"op": "report", **counts}, ns) is not None
