@@ -3,7 +3,7 @@
 The worker registers its KV allocation once; then every store and load is one request that goes out
 without waiting (KVTierClient.submit) after the worker recorded one of its interprocess events on its
 stream, and whose reply says the copy is done: collected by `poll`, or by `wait` for one operation (from any
-thread: the vLLM connector waits on its transfer threads, connector/in_flight.py). An event is reused only
+thread: the vLLM connector waits on its transfer threads, connector/vllm/in_flight.py). An event is reused only
 after the reply of the operation that named it, and goes back to the pool on every failure path.
 
 Registration runs off the engine's thread (`start`): a keeper thread registers (with its own timeout: the

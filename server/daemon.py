@@ -23,7 +23,7 @@ from kvtier.server.feed import Feed, FeedConfig
 from kvtier.server.gpu_ops import GpuOps
 from kvtier.server.l1.adopt import JOURNAL_SUFFIX, L1Files, open_l1
 from kvtier.server.l1.holds import Holds
-from kvtier.server.l1.journal import half_bytes
+from kvtier.server.l1.journal_records import half_bytes
 from kvtier.server.metrics import FeedMetrics, GpuMetrics, Metrics
 from kvtier.server.rpc import RequestHandler
 from kvtier.server.tiers import make_tiers

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from kvtier.connector.gpu_transfers import EventSource, GpuTransfers
-from kvtier.connector.in_flight import InFlight
 from kvtier.connector.kv_blocks import PagedKV
 from kvtier.connector.results import ReadChunk
 from kvtier.connector.verify import Difference
+from kvtier.connector.vllm.in_flight import InFlight
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.server import protocol as p
 from kvtier.server.keys import ChunkKeys, chunk_keys

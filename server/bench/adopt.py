@@ -38,8 +38,9 @@ from kvtier.server.bench import common as bc
 from kvtier.server.eviction import make_policy
 from kvtier.server.keys import ChunkKeys, Namespace, chunk_keys
 from kvtier.server.l1.adopt import L1Files, OpenedL1, open_l1
+from kvtier.server.l1.entry import Entry
 from kvtier.server.l1.journal import L1Journal
-from kvtier.server.l1.store import Entry, L1Store
+from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.shm.segment import SHM_DIR
 

@@ -26,7 +26,8 @@ from kvtier.server.bench.trace_workloads import Geometry, Trace, chunks_of, key_
 from kvtier.server.cache import Cache
 from kvtier.server.eviction import EvictionPolicy, make_policy
 from kvtier.server.keys import ChunkKeys, Namespace
-from kvtier.server.l1.holds import ClientState, Holds
+from kvtier.server.l1.holdings import ClientState
+from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool
 from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics

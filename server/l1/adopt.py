@@ -22,9 +22,12 @@ from itertools import chain
 
 from kvtier.server import protocol as p
 from kvtier.server.eviction.base import EvictionPolicy
-from kvtier.server.l1.journal import VERSION, L1Journal, half_bytes, replay
+from kvtier.server.l1.entry import Entry
+from kvtier.server.l1.journal import L1Journal
+from kvtier.server.l1.journal_records import VERSION, half_bytes
 from kvtier.server.l1.pool import PagePool, extent_pages
-from kvtier.server.l1.store import Entry, L1Store
+from kvtier.server.l1.replay import replay
+from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.shm.journal import Journal, JournalDamaged, JournalMismatch, journal_bytes
 from kvtier.shm.pages import extent_byte_ranges

@@ -12,56 +12,21 @@ keeps the pages its predecessor's writers may still touch in quarantine a while.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from itertools import chain
 from operator import itemgetter
-from typing import Protocol
 
 from kvtier.server import protocol as p
 from kvtier.server.eviction.base import EvictionPolicy
 from kvtier.server.index import PrefixIndex
 from kvtier.server.keys import Namespace
-from kvtier.server.l1.journal import L1Journal, Unheld
+from kvtier.server.l1.entry import Entry, L1Listener, key_of
+from kvtier.server.l1.journal import L1Journal
+from kvtier.server.l1.journal_records import Unheld
 from kvtier.server.l1.pool import Extents, PagePool, extent_pages
 from kvtier.server.metrics import L1, Metrics
 
 TOUCH_BACKLOG_MAX = 1024
 MAX_NAMESPACES = 4096  # registered at once, all clients together
-
-
-@dataclass(slots=True, eq=False)
-class Entry:
-    key: bytes
-    ns: bytes
-    size: int
-    blocks: int
-    extents: Extents
-    aliases: tuple[bytes, ...]
-    readers: int = 0
-    pins: int = 0
-    doomed: bool = False  # removed while held: its pages return when the last hold goes
-
-    @property
-    def pages(self) -> int:
-        return extent_pages(self.extents)
-
-    @property
-    def evictable(self) -> bool:
-        return not (self.readers or self.pins or self.doomed)
-
-
-def _key_of(entry: Entry) -> bytes:
-    return entry.key
-
-
-class L1Listener(Protocol):
-    """Told of each change on the serving loop, before it takes effect."""
-
-    def committed(self, entry: Entry, namespace: Namespace | None) -> None: ...
-
-    def removed(self, entry: Entry, reason: str) -> None: ...
-
-    def pinned(self, key: bytes, pins: int) -> None: ...
 
 
 class ResizeRefused(Exception):
@@ -262,7 +227,7 @@ class L1Store:
         for listener in self.listeners:
             listener.committed(entry, self.namespaces.get(entry.ns))
         self.entries[entry.key] = entry
-        for partial in self.index.superseded(entry.aliases, _key_of):
+        for partial in self.index.superseded(entry.aliases, key_of):
             if not partial.pins:  # the longer chunk serves the same leading blocks
                 self.remove(partial, "superseded")
         self.index.add(entry, entry.key, entry.blocks, entry.aliases)

@@ -34,7 +34,7 @@ from _support import REPO, free_port, payload_of, prompt, wait_for  # noqa: E402
 from kvtier.connector.client import ClientConfig, KVTierClient  # noqa: E402
 from kvtier.server import protocol as p  # noqa: E402
 from kvtier.server.keys import Namespace, chunk_keys  # noqa: E402
-from kvtier.server.l1.journal import VERSION  # noqa: E402
+from kvtier.server.l1.journal_records import VERSION  # noqa: E402
 from kvtier.shm.client_lock import ClientLock  # noqa: E402
 from kvtier.shm.journal import _HEADER, HEADER_BYTES, write_header  # noqa: E402
 from kvtier.shm.pages import extent_views  # noqa: E402

@@ -1,4 +1,8 @@
-"""InFlight: the asynchronous connector's bookkeeping keeps vLLM's reporting rules (connector/in_flight.py)."""
+"""InFlight: the asynchronous connector's bookkeeping keeps vLLM's reporting rules (connector/vllm/in_flight.py).
+
+Its package (connector/vllm/__init__.py) imports torch and vLLM: the dev venv skips it;
+tests/e2e/test_torch_unit_tests.py runs it in vLLM's venv.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,11 @@ import threading
 import time
 
 import pytest
-from kvtier.connector.in_flight import InFlight
+
+pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from kvtier.connector.vllm.in_flight import InFlight  # noqa: E402
 
 pytestmark = pytest.mark.unit
 

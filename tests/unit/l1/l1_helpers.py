@@ -7,7 +7,8 @@ from kvtier.server import protocol as p
 from kvtier.server.eviction import make_policy
 from kvtier.server.eviction.base import EvictionPolicy
 from kvtier.server.keys import Namespace, digest
-from kvtier.server.l1.holds import ClientState, Holds
+from kvtier.server.l1.holdings import ClientState
+from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool
 from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics

@@ -15,7 +15,7 @@ import pytest
 from kvtier.server.eviction import make_policy
 from kvtier.server.l1.adopt import JOURNAL_SUFFIX, L1Files, OpenedL1, open_l1
 from kvtier.server.l1.holds import Holds
-from kvtier.server.l1.journal import VERSION, half_bytes
+from kvtier.server.l1.journal_records import VERSION, half_bytes
 from kvtier.server.l1.pool import extent_pages, from_extents
 from kvtier.server.metrics import Metrics
 from kvtier.shm.client_lock import LOCK_INFIX, ClientLock, LockDirectory

@@ -18,20 +18,13 @@ import msgpack
 import numpy as np
 import pytest
 from kvtier.server.eviction import make_policy
+from kvtier.server.l1.entry import Entry
 from kvtier.server.l1.holds import Holds
-from kvtier.server.l1.journal import (
-    ALLOC,
-    COMMIT,
-    FREE,
-    NAMESPACE,
-    REMOVE,
-    VERSION,
-    L1Journal,
-    half_bytes,
-    replay,
-)
+from kvtier.server.l1.journal import L1Journal
+from kvtier.server.l1.journal_records import ALLOC, COMMIT, FREE, NAMESPACE, REMOVE, VERSION, half_bytes
 from kvtier.server.l1.pool import PagePool, extent_pages, from_extents
-from kvtier.server.l1.store import Entry, L1Store
+from kvtier.server.l1.replay import replay
+from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.shm.journal import Journal, JournalDamaged, JournalMismatch, Staging, frame, journal_bytes, parse
 from kvtier.shm.segment import Segment
@@ -304,7 +297,7 @@ def test_a_journal_that_cannot_keep_up_makes_itself_unadoptable():
 def test_worst_case_records_stay_within_the_bounds_the_halves_are_sized_by():
     """half_bytes promises that any snapshot fits: each record type's largest encoding must be within it."""
     from kvtier.server.keys import MAX_NS_STR, Namespace
-    from kvtier.server.l1 import journal as j
+    from kvtier.server.l1 import journal_records as j
     from kvtier.server.l1 import store
 
     assert j.MAX_NAMESPACES == store.MAX_NAMESPACES

@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 from kvtier.server.eviction import make_policy
 from kvtier.server.l1.holds import Holds
-from kvtier.server.l1.journal import VERSION, L1Journal, half_bytes, replay
+from kvtier.server.l1.journal import L1Journal
+from kvtier.server.l1.journal_records import VERSION, half_bytes
 from kvtier.server.l1.pool import PagePool, from_extents
+from kvtier.server.l1.replay import replay
 from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.shm.journal import Journal, Staging, frame, journal_bytes

@@ -16,7 +16,8 @@ from kvtier.server import protocol as p
 from kvtier.server.cache import Cache
 from kvtier.server.eviction import DEFAULT_POLICY, make_policy
 from kvtier.server.keys import chunk_keys, digest
-from kvtier.server.l1.holds import Holds, Reservation
+from kvtier.server.l1.holdings import Reservation
+from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool, extent_pages, from_extents
 from kvtier.server.l1.store import L1Store, ResizeRefused
 from kvtier.server.metrics import Metrics
