@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 from kvtier.server.l1.store import Entry, L1Store
-from kvtier.server.metrics import L2Metrics, Metrics
+from kvtier.server.metrics import Metrics, TierMetrics
 from kvtier.server.tiers.bandwidth import BandwidthMeter
 from kvtier.server.tiers.base import Cleared, LowerTier
 from kvtier.server.tiers.promotion import PROMOTE_THREADS, Promotions
@@ -48,7 +48,7 @@ class _TimedPuts:
 
 class AttachedTier:
     def __init__(self, store: L1Store, segment: np.ndarray, tier: LowerTier, queue_depth: int, metrics: Metrics,
-                 m: L2Metrics, max_promoting_bytes: int | None = None) -> None:
+                 m: TierMetrics, max_promoting_bytes: int | None = None) -> None:
         self.store = store
         self.segment = segment
         self.tier = tier
@@ -90,9 +90,7 @@ class AttachedTier:
         """Stop the promotion threads and the writer; promotions not committed give their pages back."""
         self.promotions.close(timeout)
         self.writer.stop(timeout)
-        close = getattr(self.tier, "close", None)  # a tier with threads or connections of its own (remote)
-        if close is not None:
-            close()
+        self.tier.close()
 
     # -- write-behind ----------------------------------------------------------------------------
 
@@ -141,7 +139,7 @@ class AttachedTier:
 
     def stats(self) -> dict:
         """The tier's part of the `stats` op, keys prefixed with its name (`l2_...`, `remote_...`), plus what
-        the tier itself reports (`stats()`, where it has one)."""
+        the tier itself reports (`LowerTier.stats`)."""
         t, promos, p = self.tier, self.promotions, self.name
         out = {
             f"{p}_enabled": True,
@@ -165,8 +163,5 @@ class AttachedTier:
             f"{p}_read_bytes_per_s": self.read_bw.bytes_per_s,
             f"{p}_write_bytes_per_s": self.write_bw.bytes_per_s,
         }
-        if hasattr(t, "odirect_active"):  # O_DIRECT asked for and taken by the directory
-            out[f"{p}_odirect"] = t.odirect_active
-        if hasattr(t, "stats"):
-            out.update(t.stats())
+        out.update(t.stats())
         return out
