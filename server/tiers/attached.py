@@ -64,7 +64,7 @@ class AttachedTier:
         m.used.set_function(lambda: tier.used_bytes)
         m.capacity.set_function(lambda: tier.capacity_bytes)
         m.queue_depth.set_function(lambda: self.writer.queue_depth)
-        m.written.set_function(lambda: getattr(tier, "written", 0))
+        m.written.set_function(self.written)
         m.promoting_bytes.set_function(lambda: self.promotions.promoting_pages * store.pool.page_size)
         metrics.tier_read_bw.labels(self.name).set_function(lambda: self.read_bw.bytes_per_s)
         metrics.tier_write_bw.labels(self.name).set_function(lambda: self.write_bw.bytes_per_s)
@@ -128,6 +128,11 @@ class AttachedTier:
             self.m.clear_failures.inc(cleared.failed)
         return cleared
 
+    def written(self) -> int:
+        """Chunks written to the tier: its own count where it keeps one (`written`: durable ones, or this
+        node's in a shared store), else the writer's successful puts."""
+        return getattr(self.tier, "written", self.writer.done)
+
     def health(self) -> tuple[bool, str]:
         """(ok, why not) for /healthz: the writer's threads run, the tier takes writes, and not every
         promotion thread is stuck in a hung read."""
@@ -148,7 +153,7 @@ class AttachedTier:
             f"{p}_capacity_bytes": t.capacity_bytes,
             f"{p}_queue_depth": self.writer.queue_depth,
             f"{p}_inflight": self.writer.inflight,
-            f"{p}_written": getattr(t, "written", self.writer.done),
+            f"{p}_written": self.written(),
             f"{p}_dropped_writes": self.writer.dropped,
             f"{p}_cleared_writes": self.writer.stale,
             f"{p}_corrupt_chunks": getattr(t, "corrupt", 0),
