@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,9 @@ from kvtier.server.tiers.writer import L2Writer, WriteJob
 from kvtier.shm.pages import extent_views
 
 log = logging.getLogger("kvtier.server.tiers")
+
+REWRITE_POLL_S = 0.05  # how often the write-behind after an adoption looks for room in a full queue
+REWRITE_BATCH = 256  # adopted chunks it looks at between yields to the serving loop
 
 
 class _TimedPuts:
@@ -104,6 +107,31 @@ class AttachedTier:
                        lambda: self._call_soon(self._written, entry))
         if not self.writer.submit(job):
             self.store.unhold(entry)
+
+    async def write_behind_again(self, entries: Sequence[Entry], epochs: dict[bytes, tuple[int, int]],
+                                 entries_now: Mapping[bytes, Entry]) -> None:
+        """Warm restart (Cache.write_behind_again): queue adopted `entries` again, in the order given, unless
+        the tier has one, it left L1 (`entries_now`) or a clear of its namespace came since `epochs`; never
+        more than half the queue at once."""
+        writer = self.writer
+        started = time.monotonic()
+        queued = there = gone = 0
+        for n, entry in enumerate(entries, 1):
+            if n % REWRITE_BATCH == 0:
+                await asyncio.sleep(0)  # let requests in
+            if entries_now.get(entry.key) is entry and not self.tier.contains(entry.key):
+                while writer.room <= writer.depth // 2:
+                    await asyncio.sleep(REWRITE_POLL_S)
+            if entries_now.get(entry.key) is not entry or writer.epochs(entry.ns) != epochs[entry.ns]:
+                gone += 1
+            elif self.tier.contains(entry.key):
+                there += 1
+            else:
+                self.write_behind(entry)
+                queued += 1
+        log.info("%s write-behind after adoption: %d of %d adopted chunks queued again (%d there already, %d gone "
+                 "from L1 or cleared) in %.2f s", self.name, queued, len(entries), there, gone,
+                 time.monotonic() - started)
 
     def _written(self, entry: Entry) -> None:
         self.store.unhold(entry)
