@@ -201,16 +201,8 @@ class FsTier(LowerTier):
     def find_prefix(self, chunks: Sequence[Sequence[bytes]], ns: bytes | None = None) -> list[tuple[ChunkMeta, int]]:
         """From memory (the prefix index, under the lock): per chunk, the record holding the longest leading
         run of its keys, up to the first chunk not held and through the first partial match."""
-        out: list[tuple[ChunkMeta, int]] = []
         with self._lock:
-            for block_keys in chunks:
-                found = self._prefix.longest(block_keys)
-                if found is None:
-                    break
-                out.append(found)
-                if found[1] < len(block_keys):
-                    break
-        return out
+            return self._prefix.run(chunks)
 
     def get(self, meta: ChunkMeta, bufs: Sequence[memoryview]) -> bool:
         with self._lock:

@@ -58,16 +58,8 @@ class FakeTier(LowerTier):
         return key in self._chunks
 
     def find_prefix(self, chunks: Sequence[Sequence[bytes]], ns: bytes | None = None) -> list[tuple[ChunkMeta, int]]:
-        out = []
         with self._lock:
-            for keys in chunks:
-                found = self._index.longest(keys)
-                if found is None:
-                    break
-                out.append(found)
-                if found[1] < len(keys):
-                    break
-        return out
+            return self._index.run(chunks)
 
     def remove(self, key: bytes, reason: str = "removed") -> bool:
         with self._lock:
