@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from kvtier.server.config import ServerConfig
 from kvtier.server.l1.store import L1Store
-from kvtier.server.metrics import Metrics
+from kvtier.server.metrics import L1, Metrics
 from kvtier.server.tiers.attached import AttachedTier
 from kvtier.server.tiers.registry import tier_factory
 
@@ -38,8 +38,8 @@ def make_tiers(config: ServerConfig, store: L1Store, segment: np.ndarray, metric
     tiers: list[AttachedTier] = []
     for kind, options in tier_options(config):
         tier = tier_factory(kind)(options, metrics)
-        if any(t.name == tier.name for t in tiers):
-            raise ValueError(f"two lower tiers are named {tier.name!r}")
+        if tier.name == L1 or any(t.name == tier.name for t in tiers):
+            raise ValueError(f"a lower tier is named {tier.name!r}, the name of another tier")
         depth = getattr(options, "queue_depth", EXTRA_QUEUE_DEPTH)
         tiers.append(AttachedTier(store, segment, tier, depth, metrics, tier.m))
     return tiers
