@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from kvtier.admin_api.deps import CacheDep, DaemonDep
+from kvtier.server import cache_status
 from kvtier.shm.segment import list_segments
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -51,13 +52,13 @@ async def status(request: Request, cache: CacheDep, daemon: DaemonDep) -> dict:
         "endpoints": daemon.config.endpoints,
         "policy": store.policy.name,
         "log_level": logging.getLevelName(logging.getLogger().level).lower(),
-        "l1": {**cache.l1_status(), "shm_name": daemon.segment.name, "shm_dir": daemon.segment.directory},
+        "l1": {**cache_status.l1_status(cache), "shm_name": daemon.segment.name, "shm_dir": daemon.segment.directory},
         "l2": l2.stats() if l2 is not None else {"l2_enabled": False},
         "remote": remote.stats() if remote is not None else {"remote_enabled": False},
         "tiers": [{"name": tier.name, **tier.stats()} for tier in cache.tiers],  # lookup order, any tier
         "shm_others": _others(daemon.segment.directory, daemon.segment.name),
-        "namespaces": cache.namespace_stats(),
-        "clients": cache.client_stats(),
+        "namespaces": cache_status.namespace_stats(cache),
+        "clients": cache_status.client_stats(cache),
         "gpu": daemon.gpu.status(),
         "ttl": {"lease_s": holds.lease_ttl_s, "reservation_s": holds.reservation_ttl_s,
                 "client_timeout_s": holds.client_timeout_s},

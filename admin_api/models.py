@@ -13,9 +13,9 @@ MAX_TOKENS = 1 << 20
 # The most token ids one /cache/lookup may carry (a 413 beyond): its key chain is hashed on the serving loop.
 MAX_LOOKUP_TOKENS = 1 << 17
 LOG_LEVELS = ("debug", "info", "warning", "error")
-TIERS = ("l1", "l2", "remote")
 
 HexKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{32}$")]
+TierName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]  # l1, l2, remote, a plug-in's
 TokenId = Annotated[int, Field(ge=0, lt=0xFFFFFFFF)]  # 0xFFFFFFFF is reserved by the key chain (keys.py)
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -26,7 +26,7 @@ class ClearRequest(BaseModel):
     model_config = _STRICT
     scope: Literal["all", "namespace", "tier"]
     namespace: HexKey | None = Field(None, description="namespace fingerprint (hex), for scope=namespace")
-    tier: Literal[TIERS] | None = Field(None, description="tier, for scope=tier")
+    tier: TierName | None = Field(None, description="tier name (l1, l2, remote, a plug-in tier), for scope=tier")
 
     @model_validator(mode="after")
     def _consistent(self) -> ClearRequest:

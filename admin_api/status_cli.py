@@ -67,50 +67,47 @@ def table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
-def render_l2(l2: dict[str, Any]) -> list[str]:
-    if not l2.get("l2_enabled"):
-        return ["L2  off"]
-    cap, used = l2.get("l2_capacity_bytes", 0), l2.get("l2_used_bytes", 0)
-    pct = f" ({100 * used / cap:.0f}%)" if cap else ""
-
-    def rate(key: str) -> str:
-        bw = l2.get(key, 0.0)
-        return f"{human_bytes(bw)}/s" if bw else "not measured"
-
-    return [
-        f"L2  {human_bytes(used)} used of {human_bytes(cap)}{pct}, {l2.get('l2_entries', 0)} chunks; "
-        f"read {rate('l2_read_bytes_per_s')}, write {rate('l2_write_bytes_per_s')}",
-        f"    {l2.get('l2_queue_depth', 0)} queued writes, {l2.get('l2_dropped_writes', 0)} dropped, "
-        f"{l2.get('l2_promoted', 0)} promoted ({l2.get('l2_promoting', 0)} in flight), "
-        f"{l2.get('l2_corrupt_chunks', 0)} corrupt removed",
-    ]
+LABELS = {"l2": "L2"}  # display labels; any other tier shows under its name
+# What AttachedTier reports for every tier (`<name>_<field>`), shown in the same two lines for each.
+COMMON = ("enabled", "entries", "used_bytes", "capacity_bytes", "queue_depth", "inflight", "written",
+          "dropped_writes", "cleared_writes", "corrupt_chunks", "evictions", "promoted", "promoting",
+          "promoting_bytes", "promotion_failures", "promotions_expired", "promotions_stuck", "clear_failures",
+          "read_bytes_per_s", "write_bytes_per_s")
 
 
-def render_remote(remote: dict[str, Any]) -> list[str]:
-    cap, used = remote.get("remote_capacity_bytes", 0), remote.get("remote_used_bytes", 0)
-    of = f"{human_bytes(cap)} ({100 * used / cap:.0f}%)" if cap else "no limit"
-    breakers, paused = remote.get("remote_breakers_open", []), remote.get("remote_writes_paused", [])
-    return [
-        f"remote  {remote.get('remote_url', '?')}  rtt {1e3 * remote.get('remote_rtt_s', 0.0):.2f} ms",
-        f"    {human_bytes(used)} used of {of} (whole store), {remote.get('remote_entries', 0)} chunks known; "
-        f"{remote.get('remote_written', 0)} written, {remote.get('remote_existing_writes', 0)} existing, "
-        f"{remote.get('remote_skipped_writes', 0)} skipped",
-        f"    {remote.get('remote_missing_chunks', 0)} missing, {remote.get('remote_corrupt_chunks', 0)} corrupt, "
-        f"{remote.get('remote_timeouts', 0)} timeouts, {remote.get('remote_errors', 0)} errors, "
-        f"{remote.get('remote_rejected_calls', 0)} rejected calls",
-        f"    breakers open: {', '.join(breakers) or 'none'}; writes paused: {', '.join(paused) or 'none'}",
-    ]
+def _fact(key: str, value: Any) -> str:
+    name = key.replace("_", " ")
+    if isinstance(value, list):
+        return f"{name}: {', '.join(map(str, value)) or 'none'}"
+    if isinstance(value, bool):
+        return f"{name} {'yes' if value else 'no'}"
+    return f"{value:.3g} {name}" if isinstance(value, float) else f"{value} {name}"
 
 
 def render_tier(tier: dict[str, Any]) -> list[str]:
-    """Any other tier: its name and its numeric fields (prefix dropped), so a new tier shows without a CLI change."""
+    """One lower tier of /status `tiers`, the same way for any tier (so a new tier shows without a CLI change):
+    its label, text facts (a URL, a path), usage and bandwidth, the counts every tier has, then its own facts
+    (fields beyond COMMON, prefix dropped)."""
     name = str(tier.get("name", "?"))
-    fields = [f"{k.removeprefix(name + '_')} {v}" for k, v in tier.items()
-              if isinstance(v, int | float) and not isinstance(v, bool)]
-    return [f"{name}  {', '.join(fields) or 'no numeric fields'}"]
+    own = {k.removeprefix(name + "_"): v for k, v in tier.items() if k != "name"}
 
+    def rate(key: str) -> str:
+        bw = own.get(key, 0.0)
+        return f"{human_bytes(bw)}/s" if bw else "not measured"
 
-RENDERERS = {"l2": render_l2, "remote": render_remote}
+    cap, used = own.get("capacity_bytes", 0), own.get("used_bytes", 0)
+    of = f"{human_bytes(cap)} ({100 * used / cap:.0f}%)" if cap else "no limit"
+    texts = [str(v) for k, v in own.items() if k not in COMMON and isinstance(v, str)]
+    rest = [_fact(k, v) for k, v in own.items() if k not in COMMON and not isinstance(v, str)]
+    usage = (f"{human_bytes(used)} used of {of}, {own.get('entries', 0)} chunks; read {rate('read_bytes_per_s')}, "
+             f"write {rate('write_bytes_per_s')}")
+    return [
+        "  ".join([LABELS.get(name, name), *texts, usage]),
+        f"    {own.get('written', 0)} written, {own.get('queue_depth', 0)} queued writes, "
+        f"{own.get('dropped_writes', 0)} dropped, {own.get('promoted', 0)} promoted ({own.get('promoting', 0)} in "
+        f"flight), {own.get('corrupt_chunks', 0)} corrupt",
+        *([f"    {', '.join(rest)}"] if rest else []),
+    ]
 
 
 def render_tiers(status: dict[str, Any]) -> list[str]:
@@ -118,10 +115,11 @@ def render_tiers(status: dict[str, Any]) -> list[str]:
     a server older than `tiers`: its `l2` key)."""
     tiers = status.get("tiers")
     if tiers is None:
-        return render_l2(status.get("l2", {}))
-    lines = [] if any(t.get("name") == "l2" for t in tiers) else render_l2({})
+        l2 = status.get("l2", {})
+        tiers = [{"name": "l2", **l2}] if l2.get("l2_enabled") else []
+    lines = [] if any(t.get("name") == "l2" for t in tiers) else ["L2  off"]
     for tier in tiers:
-        lines += RENDERERS.get(tier.get("name", ""), render_tier)(tier)
+        lines += render_tier(tier)
     return lines
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from kvtier.server.bench.delay_proxy import spawn
 from kvtier.server.tiers.record import ChunkMeta
-from kvtier.server.tiers.redis import RemoteTier
+from kvtier.server.tiers.remote.tier import RemoteTier
 
 REPO = Path(__file__).resolve().parent.parent
 CHUNKS = 12

@@ -87,7 +87,7 @@ import numpy as np
 from kvtier.connector.client import ClientConfig, KVTierClient
 from kvtier.server.bench import common as bc
 from kvtier.server.keys import Namespace
-from kvtier.server.tiers.redis import RemoteTier
+from kvtier.server.tiers.remote.tier import RemoteTier
 
 url, link, prefill, per_token = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 ns = Namespace(model="meta-llama/Llama-3.1-8B", dtype="bfloat16", num_layers=32, kv_heads=8, head_size=128,

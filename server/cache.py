@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
@@ -29,9 +28,6 @@ from kvtier.server.tiers.attached import AttachedTier
 Acquired = tuple[int, list[AcquiredChunk | None]]
 
 log = logging.getLogger("kvtier.server")
-
-REWRITE_POLL_S = 0.05  # how often the write-behind after an adoption looks for room in a full queue
-REWRITE_BATCH = 256  # adopted chunks it looks at between yields to the serving loop
 
 
 def continues(match: int, block_keys: Sequence[bytes], blocks_per_chunk: int) -> bool:
@@ -262,29 +258,8 @@ class Cache:
         fills more than half a writer's queue (waits for room), so new commits' write-behind is not dropped
         for it. Called before serving starts: the epochs taken here precede any clear."""
         epochs = [{ns: tier.writer.epochs(ns) for ns in {e.ns for e in entries}} for tier in self.tiers]
-        return asyncio.gather(*(self._rewrite(tier, entries[::-1], before)
+        return asyncio.gather(*(tier.write_behind_again(entries[::-1], before, self.store.entries)
                                 for tier, before in zip(self.tiers, epochs, strict=True)))
-
-    async def _rewrite(self, tier: AttachedTier, entries: Sequence[Entry], epochs: dict[bytes, tuple[int, int]]) -> None:
-        writer, entries_now = tier.writer, self.store.entries
-        started = time.monotonic()
-        queued = there = gone = 0
-        for n, entry in enumerate(entries, 1):
-            if n % REWRITE_BATCH == 0:
-                await asyncio.sleep(0)  # let requests in
-            if entries_now.get(entry.key) is entry and not tier.tier.contains(entry.key):
-                while writer.room <= writer.depth // 2:
-                    await asyncio.sleep(REWRITE_POLL_S)
-            if entries_now.get(entry.key) is not entry or writer.epochs(entry.ns) != epochs[entry.ns]:
-                gone += 1
-            elif tier.tier.contains(entry.key):
-                there += 1
-            else:
-                tier.write_behind(entry)
-                queued += 1
-        log.info("%s write-behind after adoption: %d of %d adopted chunks queued again (%d there already, %d gone "
-                 "from L1 or cleared) in %.2f s", tier.name, queued, len(entries), there, gone,
-                 time.monotonic() - started)
 
     def acquire(self, ident: bytes, fp: bytes, keys: list[bytes]) -> Acquired | Awaitable[Acquired]:
         """Lease `keys`; an awaitable of the lease while any of them is still being promoted from a lower
@@ -368,52 +343,6 @@ class Cache:
         for tier in self.tiers:
             out.update(tier.stats())
         return out
-
-    def l1_status(self) -> dict:
-        """L1's part of `/status`."""
-        store, holds, pool = self.store, self.holds, self.store.pool
-        ps = pool.page_size
-        return {
-            "capacity_bytes": pool.num_pages * ps,
-            "segment_bytes": pool.segment_pages * ps,
-            "used_bytes": pool.used_pages * ps,
-            "free_bytes": max(0, pool.free_pages) * ps,
-            "page_size": ps,
-            "entries": len(store.entries),
-            "pinned_bytes": store.pinned_pages * ps,
-            "evictable_bytes": store.evictable_pages * ps,
-            "held_bytes": store.held_pages() * ps,
-            "reserved_bytes": holds.reserved_pages() * ps,
-            "leases": len(holds.leases),
-            "reservations": len(holds.reservations),
-        }
-
-    def namespace_stats(self) -> list[dict]:
-        """Per registered namespace: its fingerprint, identity and usage (entries, bytes, pinned bytes)."""
-        store = self.store
-        pinned: dict[bytes, int] = {}
-        for e in store.entries.values():
-            if e.pins:
-                pinned[e.ns] = pinned.get(e.ns, 0) + e.size
-        out = []
-        for fp, ns in store.namespaces.items():
-            entries, nbytes = store.ns_usage.get(fp, (0, 0))
-            out.append({"fingerprint": fp.hex(), **ns.to_dict(), "entries": entries, "bytes": nbytes,
-                        "pinned_bytes": pinned.get(fp, 0)})
-        return out
-
-    def client_stats(self) -> list[dict]:
-        """Registered clients, then retired ones that still hold pages back (state "retired")."""
-        holds = self.holds
-        now, ps = holds.clock(), self.store.pool.page_size
-        held = holds.held_back()
-        return [
-            {"instance": c.instance, "pid": c.pid, "state": state, "last_seen_s_ago": round(now - c.last_seen, 3),
-             "leases": len(c.leases), "reservations": len(c.reservations),
-             "held_back_bytes": held.get(id(c), 0) * ps}
-            for state, clients in (("registered", holds.clients.values()), ("retired", holds.retired.values()))
-            for c in clients
-        ]
 
     def prefix_keys(self, fp: bytes, token_ids: Sequence[int]) -> list[bytes]:
         """The key of every full and partial chunk of a token prefix (ValueError for bad token ids)."""

@@ -11,15 +11,14 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
 
 from kvtier.server.eviction import DEFAULT_POLICY, POLICIES
+from kvtier.server.tiers.fs import FsOptions
+from kvtier.server.tiers.remote.options import READ_FROM, RemoteAccess, RemoteOptions, parse_remote_url
 from kvtier.shm.segment import tmpfs_options
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-READ_FROM = ("primary", "prefer_replica", "az_affinity")  # --remote-read-from: glide's ReadFrom of the same name
 
 
 def _opt(default: Any, help: str, **extra: Any) -> Any:
@@ -87,6 +86,9 @@ class ServerConfig:
                                  choices=list(READ_FROM))
     remote_az: str = _opt("", "this node's availability zone, for --remote-read-from az_affinity (replicas in "
                               "this zone first)")
+    extra_tiers: str = _opt("", "lower tiers after L2 and the remote tier, comma-separated: module:factory or "
+                                "module:factory=ARG, each a factory(ARG, metrics) -> LowerTier (docs/architecture.md, "
+                                "\"Adding a tier\"; empty: none)")
     events_endpoint: str = _opt("", "publish what the cache stores and removes on this ZeroMQ PUB address "
                                     "(tcp://host:port or ipc://path; vLLM's KV-event framing, docs/events.md; "
                                     "empty: no feed). Unauthenticated: it shows chunk keys to whoever connects")
@@ -186,101 +188,18 @@ class ServerConfig:
         return RemoteAccess(self.remote_tls_ca_file, self.remote_tls_cert_file, self.remote_tls_key_file,
                             self.remote_password_file, self.remote_read_from, self.remote_az)
 
+    def l2_options(self) -> FsOptions:
+        """The disk tier's options (server/tiers/fs.py), from the --l2-* flags."""
+        return FsOptions(self.l2_path, self.l2_bytes, self.l2_odirect, self.l2_eviction_policy, self.l2_queue_depth)
+
+    def remote_options(self) -> RemoteOptions:
+        """The remote tier's options (server/tiers/remote/options.py), from the --remote-* flags."""
+        return RemoteOptions(self.remote_url, self.remote_prefix, self.remote_ttl_s, self.remote_timeout_ms,
+                             self.remote_connect_timeout_ms, self.remote_breaker_threshold,
+                             self.remote_breaker_reset_s, self.remote_queue_depth, self.remote_access)
+
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (False, True),
-            "rediss+cluster": (True, True)}  # scheme -> (TLS, cluster)
-DEFAULT_REDIS_PORT = 6379
-
-
-@dataclass(frozen=True)
-class RemoteUrl:
-    """A parsed --remote-url: the nodes to connect to (a Cluster's are seeds; a standalone primary and its
-    replicas with --remote-read-from), TLS, credentials, database."""
-
-    nodes: tuple[tuple[str, int], ...]
-    tls: bool = False
-    cluster: bool = False
-    username: str = ""
-    password: str = field(default="", repr=False)
-    db: int = 0
-
-    def redacted(self) -> str:
-        """The URL without its password, for logs and messages."""
-        scheme = ("rediss" if self.tls else "redis") + ("+cluster" if self.cluster else "")
-        user = f"{self.username}@" if self.username else ""
-        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.nodes)
-        return f"{scheme}://{user}{hosts}" + (f"/{self.db}" if self.db else "")
-
-
-@dataclass(frozen=True)
-class RemoteAccess:
-    """How the remote tier reaches its store beyond the URL: TLS files, a password file, where reads go."""
-
-    tls_ca_file: str = ""
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
-    password_file: str = ""
-    read_from: str = "primary"
-    az: str = ""
-
-    def validate(self, url: RemoteUrl) -> None:
-        """ValueError naming the flag when these settings do not fit `url` or a file cannot be read."""
-        if (self.tls_ca_file or self.tls_cert_file or self.tls_key_file) and not url.tls:
-            raise ValueError("--remote-tls-* files need a TLS URL: rediss:// or rediss+cluster://")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ValueError("--remote-tls-cert-file and --remote-tls-key-file go together")
-        if self.password_file and url.password:
-            raise ValueError("--remote-password-file replaces the password in --remote-url: give only one")
-        if self.read_from not in READ_FROM:
-            raise ValueError(f"--remote-read-from must be one of {', '.join(READ_FROM)}")
-        if not url.cluster and len(url.nodes) > 1 and self.read_from == "primary":
-            raise ValueError("--remote-url names several hosts: use redis+cluster:// (or rediss+cluster://) for a "
-                             "Cluster; a standalone primary and its replicas go with --remote-read-from "
-                             "prefer_replica or az_affinity")
-        if (self.read_from == "az_affinity") != bool(self.az):
-            raise ValueError("--remote-az goes with --remote-read-from az_affinity (and it needs one)")
-        for flag, path in (("--remote-tls-ca-file", self.tls_ca_file), ("--remote-tls-cert-file", self.tls_cert_file),
-                           ("--remote-tls-key-file", self.tls_key_file),
-                           ("--remote-password-file", self.password_file)):
-            if path and not os.access(path, os.R_OK):
-                raise ValueError(f"{flag}: cannot read {path}")
-        if self.password_file and not Path(self.password_file).read_text().rstrip("\r\n"):
-            raise ValueError(f"--remote-password-file: {self.password_file} is empty")
-        for flag, path, what in (("--remote-tls-ca-file", self.tls_ca_file, "CERTIFICATE"),
-                                 ("--remote-tls-cert-file", self.tls_cert_file, "CERTIFICATE"),
-                                 ("--remote-tls-key-file", self.tls_key_file, "PRIVATE KEY")):
-            if path and f"{what}-----".encode() not in Path(path).read_bytes():
-                raise ValueError(f"{flag}: {path} holds no PEM {what.lower()}")
-
-
-def parse_remote_url(url: str) -> RemoteUrl:
-    """--remote-url's value; ValueError (never showing the password) when it is not one of the documented forms."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme.lower() not in _SCHEMES:
-        raise ValueError("--remote-url must start with redis://, rediss://, redis+cluster:// or rediss+cluster://")
-    tls, cluster = _SCHEMES[scheme.lower()]
-    userinfo, _, rest = rest.rpartition("@")
-    hosts, _, db_text = rest.partition("/")
-    username, _, password = userinfo.partition(":")
-    nodes = tuple(_host_port(h) for h in hosts.split(","))
-    if (db_text and not db_text.isdigit()) or (cluster and db_text.strip("0")):
-        raise ValueError("--remote-url: the database (after /) must be a non-negative integer, and 0 for a Cluster")
-    db = int(db_text) if db_text else 0
-    return RemoteUrl(nodes, tls, cluster, unquote(username), unquote(password), db)
-
-
-def _host_port(text: str) -> tuple[str, int]:
-    if text.startswith("["):  # [IPv6]:port
-        host, _, port = text[1:].partition("]")
-        port = port.removeprefix(":")
-    else:
-        host, _, port = text.rpartition(":") if ":" in text else (text, "", "")
-    if not host or any(c in host for c in " /?#[]"):
-        raise ValueError(f"--remote-url: bad host {text!r}")
-    if port and not (port.isdigit() and 0 < int(port) < 65536):
-        raise ValueError(f"--remote-url: the port of {host} must be in 1..65535")
-    return host, int(port) if port else DEFAULT_REDIS_PORT
 
 
 def env_name(name: str) -> str:

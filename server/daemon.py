@@ -26,7 +26,7 @@ from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.journal_records import half_bytes
 from kvtier.server.metrics import FeedMetrics, GpuMetrics, Metrics
 from kvtier.server.rpc import RequestHandler
-from kvtier.server.tiers import make_tiers
+from kvtier.server.tier_setup import make_tiers
 from kvtier.server.transfer.copiers import Copiers, CopiersConfig
 from kvtier.shm.client_lock import LockDirectory
 from kvtier.shm.journal import journal_bytes

@@ -73,6 +73,19 @@ class PrefixIndex(Generic[H]):
                 return found
         return None
 
+    def run(self, chunks: Sequence[Sequence[bytes]]) -> list[tuple[H, int]]:
+        """A lookup's answer (LowerTier.find_prefix): per chunk (its block keys), the holder of its longest
+        leading run, up to the first chunk not held and through the first partial match."""
+        out: list[tuple[H, int]] = []
+        for block_keys in chunks:
+            found = self.longest(block_keys)
+            if found is None:
+                break
+            out.append(found)
+            if found[1] < len(block_keys):
+                break
+        return out
+
     def clear(self) -> None:
         self._map.clear()
         self._shadowed.clear()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from kvtier.server.protocol import SKIP_REASONS, UNDELIVERED_REASONS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -148,26 +150,26 @@ class Metrics:
             self.admin_lookups_refused.labels(reason)
 
 
-class L2Metrics:
-    """A lower tier's own metrics (names kvtier_<TIER>_*): the disk tier's, registered when L2 is configured.
-    What AttachedTier and Promotions count; RemoteMetrics is the remote tier's, with a few more."""
+class TierMetrics:
+    """A lower tier's own metrics, names kvtier_<name>_* (kvtier_l2_*, kvtier_remote_*), registered when the
+    tier is configured: what AttachedTier and Promotions count for any tier. `help` overrides the help text
+    of `used`, `capacity`, `written` and `corrupt` (what they measure depends on the tier); a tier with more
+    metrics of its own subclasses this (the remote tier: tiers/remote/metrics.py). The tier's series under
+    common names (kvtier_entries, kvtier_hit_tokens, kvtier_evictions, the bandwidth gauges) carry
+    tier="<name>"."""
 
-    TIER = "l2"
-    TITLE = "L2"
-    USED = "L2 bytes in use (chunk files, headers included)"
-    CAPACITY = "L2 capacity"
-    WRITTEN = "Chunks whose L2 file is durable, since the server started"
-    CORRUPT = "L2 chunk files found corrupt and removed"
-
-    def __init__(self, metrics: Metrics) -> None:
-        r = metrics.registry
-        p, t = f"kvtier_{self.TIER}", self.TITLE
-        self.used = Gauge(f"{p}_used_bytes", self.USED, registry=r)
-        self.capacity = Gauge(f"{p}_capacity_bytes", self.CAPACITY, registry=r)
+    def __init__(self, metrics: Metrics, name: str, title: str = "", help: Mapping[str, str] | None = None) -> None:
+        r, p, t = metrics.registry, f"kvtier_{name}", title or name
+        texts = {"used": f"{t} bytes in use", "capacity": f"{t} capacity",
+                 "written": f"Chunks written to {t}, since the server started",
+                 "corrupt": f"{t} chunks found corrupt and removed", **(help or {})}
+        self.name = name
+        self.used = Gauge(f"{p}_used_bytes", texts["used"], registry=r)
+        self.capacity = Gauge(f"{p}_capacity_bytes", texts["capacity"], registry=r)
         self.queue_depth = Gauge(f"{p}_queue_depth", f"Chunks waiting in the {t} write-behind queue", registry=r)
         self.dropped = Counter(f"{p}_dropped_writes", f"{t} copies dropped because the queue was full", registry=r)
-        self.corrupt = Counter(f"{p}_corrupt_chunks", self.CORRUPT, registry=r)
-        self.written = Gauge(f"{p}_written_chunks", self.WRITTEN, registry=r)
+        self.corrupt = Counter(f"{p}_corrupt_chunks", texts["corrupt"], registry=r)
+        self.written = Gauge(f"{p}_written_chunks", texts["written"], registry=r)
         self.promoted = Counter(f"{p}_promotions", f"{t} chunks promoted to L1 by lookups", registry=r)
         self.promotion_failures = Counter(
             f"{p}_promotion_failures", f"{t} promotions whose copy was missing or corrupt (served as misses)",
@@ -191,56 +193,6 @@ class L2Metrics:
             f"{p}_clear_failures", f"{t} chunks a cache clear could not remove (forgotten, never served)",
             registry=r,
         )
-
-
-class RemoteMetrics(L2Metrics):
-    """The remote (Redis/Valkey) tier's metrics (names kvtier_remote_*), registered with --remote-url."""
-
-    TIER = "remote"
-    TITLE = "Remote"
-    USED = "Bytes the remote store reports in use (INFO used_memory summed over its masters; refreshed every few s)"
-    CAPACITY = "The remote store's maxmemory summed over its masters (0: no limit set)"
-    WRITTEN = "Chunks this node wrote to the remote store, since the server started"
-    CORRUPT = "Remote chunks whose header, part sizes or checksum did not verify (never served; header deleted)"
-
-    def __init__(self, metrics: Metrics) -> None:
-        super().__init__(metrics)
-        r = metrics.registry
-        self.missing = Counter(
-            "kvtier_remote_missing_chunks", "Remote chunks read with a part or the header missing (evicted or "
-            "expired; never served; header deleted)", registry=r,
-        )
-        self.pending = Counter(
-            "kvtier_remote_pending_lookups", "Lookups that reached a chunk the remote tier did not know yet (a "
-            "probe runs; the reply says pending)", registry=r,
-        )
-        self.existing = Counter(
-            "kvtier_remote_existing_writes", "Remote writes skipped because the chunk was there (another node "
-            "wrote it)", registry=r,
-        )
-        self.timeouts = Counter("kvtier_remote_timeouts", "Remote calls that timed out, by operation", ["op"],
-                                registry=r)
-        self.errors = Counter("kvtier_remote_errors", "Remote calls that failed otherwise (connection, server "
-                              "error), by operation", ["op"], registry=r)
-        self.rejected = Counter(
-            "kvtier_remote_rejected_calls", "Remote calls not made because the node's circuit breaker was open "
-            "(reads: misses, writes: dropped), by operation", ["op"], registry=r,
-        )
-        self.delete_failures = Counter(
-            "kvtier_remote_delete_failures", "Deletes of a corrupt or incomplete remote chunk that failed (no "
-            "permission, server error, unavailable): it stays in the store until its TTL, ignored by this node "
-            "meanwhile", registry=r,
-        )
-        self.skipped_writes = Counter(
-            "kvtier_remote_skipped_writes", "Remote writes not sent, by reason (full: the chunk's node answered OOM "
-            "less than its back-off ago; writes to it resume after it)", ["reason"], registry=r,
-        )
-        self.skipped_writes.labels("full")
-        self.breaker_open = Gauge("kvtier_remote_breaker_open", "1 while the circuit breaker of a remote node is "
-                                  "open (its calls are misses and dropped writes), else 0", ["node"], registry=r)
-        for op in ("get", "put", "probe"):
-            for counter in (self.timeouts, self.errors, self.rejected):
-                counter.labels(op)
 
 
 class GpuMetrics:

@@ -1,4 +1,4 @@
-"""`kvtier bench remote`: the remote tier (server/tiers/redis.py) against the raw glide client on the same
+"""`kvtier bench remote`: the remote tier (server/tiers/remote/) against the raw glide client on the same
 payloads, the same store and the same run; and, with `--redis-pid`, L1 hits and stores of a server whose
 Redis is SIGSTOPped against a server without a remote tier.
 
@@ -218,7 +218,8 @@ def _size_row(tier: TierSide, writer: Any, raw: Raw, size: int, n: int, reps: in
 def bench_throughput(url: str, sizes: list[int], total: int, reps: int) -> dict[str, Any]:
     """Per chunk size: SET and GET GB/s through RemoteTier and through the raw client (see the docstring)."""
     from kvtier.server.config import parse_remote_url
-    from kvtier.server.tiers.redis import PART_BYTES, RemoteTier
+    from kvtier.server.tiers.remote.layout import PART_BYTES
+    from kvtier.server.tiers.remote.tier import RemoteTier
     from kvtier.server.tiers.writer import L2Writer
 
     cluster = parse_remote_url(url).cluster

@@ -71,7 +71,7 @@ def _phase(clients: dict[str, KVTierClient], ns: Namespace, prompts: int, payloa
 def bench_latency(url: str, pid: int, prompts: int, size: int) -> dict[str, Any]:
     """See remote.py's docstring. `pid`: the redis-server behind `url` (remote.check_pid checked it)."""
     from kvtier.server.keys import Namespace
-    from kvtier.server.tiers.redis import RemoteTier
+    from kvtier.server.tiers.remote.tier import RemoteTier
 
     ns = Namespace(model="kvtier-bench-remote", dtype="bfloat16", num_layers=32, kv_heads=8, head_size=128,
                    block_size=16, layout=f"bench-remote-{size}", chunk_size=TOKENS)

@@ -109,7 +109,8 @@ def _looked_up(tier: Any, metas: list[Any]) -> None:
 
 def _size_row(url: str, direct: Any, proxy_url: str, prefix: str, size: int, n: int, reps: int,
               rng: np.random.Generator) -> dict[str, Any]:
-    from kvtier.server.tiers.redis import PART_BYTES, RemoteTier
+    from kvtier.server.tiers.remote.layout import PART_BYTES
+    from kvtier.server.tiers.remote.tier import RemoteTier
 
     src = rng.integers(0, 256, n * size, dtype=np.uint8)
     dst = np.zeros(size, dtype=np.uint8)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from kvtier.server.l1.store import Entry, L1Store
-from kvtier.server.metrics import L2Metrics, Metrics
+from kvtier.server.metrics import Metrics, TierMetrics
 from kvtier.server.tiers.bandwidth import BandwidthMeter
 from kvtier.server.tiers.base import Cleared, LowerTier
 from kvtier.server.tiers.promotion import PROMOTE_THREADS, Promotions
@@ -26,6 +26,9 @@ from kvtier.server.tiers.writer import L2Writer, WriteJob
 from kvtier.shm.pages import extent_views
 
 log = logging.getLogger("kvtier.server.tiers")
+
+REWRITE_POLL_S = 0.05  # how often the write-behind after an adoption looks for room in a full queue
+REWRITE_BATCH = 256  # adopted chunks it looks at between yields to the serving loop
 
 
 class _TimedPuts:
@@ -48,7 +51,7 @@ class _TimedPuts:
 
 class AttachedTier:
     def __init__(self, store: L1Store, segment: np.ndarray, tier: LowerTier, queue_depth: int, metrics: Metrics,
-                 m: L2Metrics, max_promoting_bytes: int | None = None) -> None:
+                 m: TierMetrics, max_promoting_bytes: int | None = None) -> None:
         self.store = store
         self.segment = segment
         self.tier = tier
@@ -64,7 +67,7 @@ class AttachedTier:
         m.used.set_function(lambda: tier.used_bytes)
         m.capacity.set_function(lambda: tier.capacity_bytes)
         m.queue_depth.set_function(lambda: self.writer.queue_depth)
-        m.written.set_function(lambda: getattr(tier, "written", 0))
+        m.written.set_function(self.written)
         m.promoting_bytes.set_function(lambda: self.promotions.promoting_pages * store.pool.page_size)
         metrics.tier_read_bw.labels(self.name).set_function(lambda: self.read_bw.bytes_per_s)
         metrics.tier_write_bw.labels(self.name).set_function(lambda: self.write_bw.bytes_per_s)
@@ -90,9 +93,7 @@ class AttachedTier:
         """Stop the promotion threads and the writer; promotions not committed give their pages back."""
         self.promotions.close(timeout)
         self.writer.stop(timeout)
-        close = getattr(self.tier, "close", None)  # a tier with threads or connections of its own (remote)
-        if close is not None:
-            close()
+        self.tier.close()
 
     # -- write-behind ----------------------------------------------------------------------------
 
@@ -106,6 +107,31 @@ class AttachedTier:
                        lambda: self._call_soon(self._written, entry))
         if not self.writer.submit(job):
             self.store.unhold(entry)
+
+    async def write_behind_again(self, entries: Sequence[Entry], epochs: dict[bytes, tuple[int, int]],
+                                 entries_now: Mapping[bytes, Entry]) -> None:
+        """Warm restart (Cache.write_behind_again): queue adopted `entries` again, in the order given, unless
+        the tier has one, it left L1 (`entries_now`) or a clear of its namespace came since `epochs`; never
+        more than half the queue at once."""
+        writer = self.writer
+        started = time.monotonic()
+        queued = there = gone = 0
+        for n, entry in enumerate(entries, 1):
+            if n % REWRITE_BATCH == 0:
+                await asyncio.sleep(0)  # let requests in
+            if entries_now.get(entry.key) is entry and not self.tier.contains(entry.key):
+                while writer.room <= writer.depth // 2:
+                    await asyncio.sleep(REWRITE_POLL_S)
+            if entries_now.get(entry.key) is not entry or writer.epochs(entry.ns) != epochs[entry.ns]:
+                gone += 1
+            elif self.tier.contains(entry.key):
+                there += 1
+            else:
+                self.write_behind(entry)
+                queued += 1
+        log.info("%s write-behind after adoption: %d of %d adopted chunks queued again (%d there already, %d gone "
+                 "from L1 or cleared) in %.2f s", self.name, queued, len(entries), there, gone,
+                 time.monotonic() - started)
 
     def _written(self, entry: Entry) -> None:
         self.store.unhold(entry)
@@ -130,6 +156,11 @@ class AttachedTier:
             self.m.clear_failures.inc(cleared.failed)
         return cleared
 
+    def written(self) -> int:
+        """Chunks written to the tier: its own count where it keeps one (`written`: durable ones, or this
+        node's in a shared store), else the writer's successful puts."""
+        return getattr(self.tier, "written", self.writer.done)
+
     def health(self) -> tuple[bool, str]:
         """(ok, why not) for /healthz: the writer's threads run, the tier takes writes, and not every
         promotion thread is stuck in a hung read."""
@@ -141,7 +172,7 @@ class AttachedTier:
 
     def stats(self) -> dict:
         """The tier's part of the `stats` op, keys prefixed with its name (`l2_...`, `remote_...`), plus what
-        the tier itself reports (`stats()`, where it has one)."""
+        the tier itself reports (`LowerTier.stats`)."""
         t, promos, p = self.tier, self.promotions, self.name
         out = {
             f"{p}_enabled": True,
@@ -150,7 +181,7 @@ class AttachedTier:
             f"{p}_capacity_bytes": t.capacity_bytes,
             f"{p}_queue_depth": self.writer.queue_depth,
             f"{p}_inflight": self.writer.inflight,
-            f"{p}_written": getattr(t, "written", self.writer.done),
+            f"{p}_written": self.written(),
             f"{p}_dropped_writes": self.writer.dropped,
             f"{p}_cleared_writes": self.writer.stale,
             f"{p}_corrupt_chunks": getattr(t, "corrupt", 0),
@@ -165,8 +196,5 @@ class AttachedTier:
             f"{p}_read_bytes_per_s": self.read_bw.bytes_per_s,
             f"{p}_write_bytes_per_s": self.write_bw.bytes_per_s,
         }
-        if hasattr(t, "odirect_active"):  # O_DIRECT asked for and taken by the directory
-            out[f"{p}_odirect"] = t.odirect_active
-        if hasattr(t, "stats"):
-            out.update(t.stats())
+        out.update(t.stats())
         return out

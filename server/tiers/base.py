@@ -1,4 +1,4 @@
-"""The `LowerTier` contract: a chunk store below L1 (the filesystem tier, fs.py; a remote Redis tier later),
+"""The `LowerTier` contract: a chunk store below L1 (the filesystem tier, fs.py; the remote tier, remote/),
 keyed by chunk key, whose values are records (record.py: `ChunkMeta` and the payload bytes).
 
 Threads. Each method is called from one kind of thread, and several at once:
@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.server.events import Event, Stored
+from kvtier.server.metrics import TierMetrics
 from kvtier.server.tiers.record import ChunkMeta
 
 
@@ -40,7 +41,8 @@ class Cleared:
 class LowerTier(ABC):
     """A chunk store below L1, keyed by chunk key; values are (metadata, payload bytes)."""
 
-    name: str  # the tier's label in lookups' replies and metrics ("l2")
+    name: str  # the tier's label in lookups' replies, status and metrics ("l2")
+    m: TierMetrics  # its metrics (kvtier_<name>_*), set by the factory that makes it (registry.py)
 
     def prepare(self, meta: ChunkMeta, sources: Sequence):  # noqa: ANN201 - whatever `put` takes
         """Writer thread: do the CPU work of a put of a chunk held in `sources` (its buffers, in order; they
@@ -99,6 +101,14 @@ class LowerTier(ABC):
         """Any thread: every chunk the tier holds now, for a snapshot of the event feed. Default: none listed
         (a tier shared by nodes does not list the store)."""
         return []
+
+    def stats(self) -> dict:
+        """Serving loop: the tier's own facts for the `stats` op and /status, beyond what AttachedTier reports
+        for every tier; keys prefixed with its name ("remote_url"). Default: none."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
+        """At shutdown, after the writer stopped: stop the tier's own threads, close its connections."""
 
     def sync(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """Writer thread: make completed puts durable (no-op where puts are durable already)."""

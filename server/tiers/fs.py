@@ -16,12 +16,14 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvtier.server.events import Cleared as ClearedEvent
 from kvtier.server.events import Removed, Stored
-from kvtier.server.eviction import EvictionPolicy, LRUPolicy
+from kvtier.server.eviction import EvictionPolicy, LRUPolicy, make_policy
 from kvtier.server.index import PrefixIndex
 from kvtier.server.keys import KEY_BYTES
+from kvtier.server.metrics import Metrics, TierMetrics
 from kvtier.server.tiers import fs_io
 from kvtier.server.tiers.base import Cleared, LowerTier
 from kvtier.server.tiers.record import ChunkMeta, CorruptChunk
@@ -31,6 +33,30 @@ log = logging.getLogger("kvtier.server.l2")
 SCAN_PROGRESS_EVERY = 10_000
 SCAN_LOG_CORRUPT = 10  # corrupt files named one by one in a scan's log; the rest are counted by reason
 SYNC_BATCH = 64
+METRIC_HELP = {"used": "L2 bytes in use (chunk files, headers included)", "capacity": "L2 capacity",
+               "written": "Chunks whose L2 file is durable, since the server started",
+               "corrupt": "L2 chunk files found corrupt and removed"}
+
+
+@dataclass(frozen=True)
+class FsOptions:
+    """What the filesystem tier is made with (server/config.py fills it from the --l2-* flags)."""
+
+    path: str
+    capacity_bytes: int
+    odirect: bool = False
+    eviction_policy: str = "lru"
+    queue_depth: int = 1024
+
+
+def make_tier(options: FsOptions, metrics: Metrics) -> FsTier:
+    """The registry's factory: the tier `options` describe, counting into `metrics` (kvtier_l2_*)."""
+    m = TierMetrics(metrics, FsTier.name, "L2", METRIC_HELP)
+    tier = FsTier(options.path, options.capacity_bytes, options.odirect,
+                  on_evict=lambda reason: metrics.evictions.labels(FsTier.name, reason).inc(),
+                  on_corrupt=m.corrupt.inc, policy=make_policy(options.eviction_policy))
+    tier.m = m
+    return tier
 
 
 class FsTier(LowerTier):
@@ -72,6 +98,10 @@ class FsTier(LowerTier):
     @property
     def entries(self) -> int:
         return len(self._index)
+
+    def stats(self) -> dict:
+        """Whether O_DIRECT, asked for, was taken by the directory (AttachedTier adds the common facts)."""
+        return {f"{self.name}_odirect": self.odirect_active}
 
     def _file(self, key: bytes) -> str:
         return os.path.join(self.path, fs_io.file_name(key))
@@ -171,16 +201,8 @@ class FsTier(LowerTier):
     def find_prefix(self, chunks: Sequence[Sequence[bytes]], ns: bytes | None = None) -> list[tuple[ChunkMeta, int]]:
         """From memory (the prefix index, under the lock): per chunk, the record holding the longest leading
         run of its keys, up to the first chunk not held and through the first partial match."""
-        out: list[tuple[ChunkMeta, int]] = []
         with self._lock:
-            for block_keys in chunks:
-                found = self._prefix.longest(block_keys)
-                if found is None:
-                    break
-                out.append(found)
-                if found[1] < len(block_keys):
-                    break
-        return out
+            return self._prefix.run(chunks)
 
     def get(self, meta: ChunkMeta, bufs: Sequence[memoryview]) -> bool:
         with self._lock:

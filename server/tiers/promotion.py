@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from kvtier.server import protocol as p
 from kvtier.server.l1.store import Entry, L1Store
-from kvtier.server.metrics import L2Metrics
+from kvtier.server.metrics import TierMetrics
 from kvtier.server.tiers.bandwidth import BandwidthMeter
 from kvtier.server.tiers.base import LowerTier
 from kvtier.server.tiers.record import ChunkMeta
@@ -98,7 +98,7 @@ class Promotion:
 
 
 class Promotions:
-    def __init__(self, store: L1Store, segment: np.ndarray, tier: LowerTier, m: L2Metrics,
+    def __init__(self, store: L1Store, segment: np.ndarray, tier: LowerTier, m: TierMetrics,
                  read_bw: BandwidthMeter, max_promoting_bytes: int | None = None) -> None:
         self.store = store
         self.segment = segment

@@ -29,7 +29,8 @@ import pytest
 from _support import prompt, wait_for
 from kvtier.server.config import RemoteAccess
 from kvtier.server.tiers.record import ChunkMeta
-from kvtier.server.tiers.redis import PART_BYTES, RemoteTier
+from kvtier.server.tiers.remote.layout import PART_BYTES
+from kvtier.server.tiers.remote.tier import RemoteTier
 from redis_servers import free_ports, make_acl_user, redis_server  # noqa: F401 - fixtures
 from test_remote_nodes import BLOCK_BYTES, NS, client, lookup, read_blocks, write
 

@@ -1,4 +1,4 @@
-"""What the remote tier (server/tiers/redis.py) reports through the event seam (server/events.py), against a
+"""What the remote tier (server/tiers/remote/) reports through the event seam (server/events.py), against a
 real Redis (tests/integration/redis_servers.py): a successful write is a Stored, a write of a chunk the store
 has already is nothing, a chunk found damaged or gone is a Removed with that reason, a removal a Removed, a
 clear one Cleared."""
@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 from kvtier.server.events import Bus, Cleared, Removed, Stored
-from kvtier.server.tiers.redis import RemoteTier
+from kvtier.server.tiers.remote.tier import RemoteTier
 from test_remote_tier import corrupt_case, new_meta, read
 
 pytest_plugins = ("redis_servers",)

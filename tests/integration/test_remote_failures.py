@@ -40,7 +40,7 @@ from kvtier.connector.client import ClientConfig, KVTierClient
 from kvtier.connector.results import LookupResult, ReadChunk
 from kvtier.server.config import parse_remote_url
 from kvtier.server.keys import Namespace, chunk_keys
-from kvtier.server.tiers.redis import PART_BYTES
+from kvtier.server.tiers.remote.layout import PART_BYTES
 
 if TYPE_CHECKING:
     from redis_servers import RedisServer

@@ -27,9 +27,12 @@ import pytest
 from kvtier.server import protocol as p
 from kvtier.server.config import ServerConfig
 from kvtier.server.keys import chunk_keys
-from kvtier.server.metrics import Metrics, RemoteMetrics
+from kvtier.server.metrics import Metrics
+from kvtier.server.tiers.networked.presence import MISSING_TTL_S
 from kvtier.server.tiers.record import ChunkMeta
-from kvtier.server.tiers.redis import MISSING_TTL_S, PART_BYTES, RemoteTier
+from kvtier.server.tiers.remote.layout import PART_BYTES
+from kvtier.server.tiers.remote.metrics import RemoteMetrics
+from kvtier.server.tiers.remote.tier import RemoteTier
 from test_remote_tier import NS, answered, corrupt_case, daemon_cache, keys_matching, new_meta, read
 
 pytestmark = pytest.mark.integration
@@ -185,7 +188,7 @@ def test_breaker_of_a_departed_master_is_dropped(redis_cluster_own, tiers):
         time.sleep(0.2)
     assert dead not in tier.stats()["remote_breakers_open"]
     assert sample(metrics, "kvtier_remote_breaker_open", {"node": dead}) is None
-    assert dead not in tier._breakers
+    assert dead not in dict(tier._breakers.items())
 
 
 # -- item 14: a record longer than its namespace's chunks -----------------------------------------------

@@ -1,4 +1,4 @@
-"""The remote tier's read path in round trips (server/tiers/redis.py `get`): a chunk whose header a lookup's
+"""The remote tier's read path in round trips (server/tiers/remote/reads.py `get`): a chunk whose header a lookup's
 probe read comes back with one MGET per GROUP_PARTS parts, the header in the first; one not looked up costs
 the header's GET first. Counted with the server's own command statistics on a Redis of the test's own.
 Also: a chunk rewritten after the probe (another generation) is read right, and damage found with a known
@@ -16,7 +16,8 @@ from collections.abc import Iterator
 
 import pytest
 from kvtier.server.tiers.record import ChunkMeta
-from kvtier.server.tiers.redis import GROUP_PARTS, PART_BYTES, RemoteTier
+from kvtier.server.tiers.remote.layout import GROUP_PARTS, PART_BYTES
+from kvtier.server.tiers.remote.tier import RemoteTier
 
 pytestmark = pytest.mark.integration
 pytest_plugins = ("redis_servers",)  # redis_server, redis_cluster_own: servers of the test's own; make_acl_user

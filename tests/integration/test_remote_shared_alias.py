@@ -17,7 +17,8 @@ import pytest
 from _support import wait_for
 from kvtier.server.keys import chunk_keys
 from kvtier.server.tiers.record import ChunkMeta
-from kvtier.server.tiers.redis import ALIAS, ALIAS_COMPACT_BYTES, ALIAS_HOLDERS, RemoteTier
+from kvtier.server.tiers.remote.layout import ALIAS, ALIAS_COMPACT_BYTES, ALIAS_HOLDERS
+from kvtier.server.tiers.remote.tier import RemoteTier
 from test_remote_nodes import BLOCK_BYTES, NS, client, lookup, prompt, read_blocks, start_nodes, write
 from test_remote_tier import answered, keys_matching, raw_client, read, tiers, url  # noqa: F401 - fixtures
 

@@ -23,13 +23,11 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from kvtier.server.metrics import Metrics, RemoteMetrics
-from kvtier.server.tiers.redis import (
-    FULL_PAUSE_S,
-    PART_BYTES,
-    PART_TTL_MARGIN_MS,
-    REFRESH_FRACTION,
-)
+from kvtier.server.metrics import Metrics
+from kvtier.server.tiers.remote.layout import PART_BYTES, PART_TTL_MARGIN_MS
+from kvtier.server.tiers.remote.maintenance import REFRESH_FRACTION
+from kvtier.server.tiers.remote.metrics import RemoteMetrics
+from kvtier.server.tiers.remote.writes import FULL_PAUSE_S
 from test_remote_nodes import NS, client, lookup, prompt, read_blocks, start_nodes, store_and_drain
 from test_remote_operations import header_of, prefix, sample, tiers  # noqa: F401 - fixtures
 from test_remote_tier import answered, keys_matching, new_meta, raw_client, read

@@ -1,4 +1,4 @@
-"""The remote tier (server/tiers/redis.py) against real servers (tests/integration/redis_servers.py): a
+"""The remote tier (server/tiers/remote/) against real servers (tests/integration/redis_servers.py): a
 standalone Redis 7, a 3-master Redis Cluster, a standalone Valkey 8 and the standalone Redis as the ACL user
 docs/remote.md documents (the tests taking `url`), and a Redis of the test's own where it is stopped with
 SIGSTOP.
@@ -28,11 +28,14 @@ from kvtier.server.keys import Namespace, chunk_keys
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool
 from kvtier.server.l1.store import L1Store
-from kvtier.server.metrics import Metrics, RemoteMetrics
-from kvtier.server.tiers import make_tiers
+from kvtier.server.metrics import Metrics
+from kvtier.server.tier_setup import make_tiers
 from kvtier.server.tiers.attached import AttachedTier
 from kvtier.server.tiers.record import ChunkMeta
-from kvtier.server.tiers.redis import PART_BYTES, RemoteTier, _slot
+from kvtier.server.tiers.remote.layout import PART_BYTES
+from kvtier.server.tiers.remote.layout import slot as slot_of
+from kvtier.server.tiers.remote.metrics import RemoteMetrics
+from kvtier.server.tiers.remote.tier import RemoteTier
 
 # redis_standalone, redis_cluster, valkey_standalone, redis_acl (docs/remote.md's ACL user), redis_server
 pytest_plugins = ("redis_servers",)
@@ -270,7 +273,7 @@ def test_cluster_keys_of_a_chunk_share_its_slot(redis_cluster, tiers):
     try:
         for key in (a._key(meta.ns, meta.key, "h"), a._part_key(meta.ns, meta.key, b"\0" * 8, 3)):
             slot = client.custom_command(["CLUSTER", "KEYSLOT", key], route=glide.RandomNode())
-            assert slot == _slot(meta.key.hex().encode())
+            assert slot == slot_of(meta.key.hex().encode())
         assert len(set(a._slot_nodes)) == 3  # the slot map names the three masters
     finally:
         client.close()

@@ -35,13 +35,6 @@ RULE_L1_TIERS = "server/l1/ never imports kvtier.server.tiers"
 RULES = (RULE_SHM, RULE_CONNECTOR, RULE_SERVER, RULE_LOWER, RULE_TRANSFER, RULE_BENCH, RULE_EVENTS, RULE_FEED,
          RULE_TIERS_CONFIG, RULE_L1_TIERS)
 
-# Until the tiers split of issue 30 (its own branch) is merged, server/tiers/__init__.py (make_tiers) and
-# server/tiers/redis.py (parse_remote_url) import kvtier.server.config, and server/tiers/redis.py and
-# server/cache.py are over the line limit: those two checks are expected to fail here, strictly, so that
-# once the split is merged they pass and the marks below must go.
-AWAITING_TIERS_SPLIT = pytest.mark.xfail(strict=True, reason="server/tiers/ is split on another branch (issue 30)")
-TIERS_SPLIT_FILES = frozenset({"server/tiers/redis.py", "server/cache.py"})
-
 MAX_LINES = 420  # a product module over this many lines does more than one job (issue 30: "about 400")
 
 
@@ -128,8 +121,7 @@ def forbidden_edges(root: Path) -> list[str]:
     return sorted(edges)
 
 
-@pytest.mark.parametrize("rule", [pytest.param(r, marks=AWAITING_TIERS_SPLIT) if r == RULE_TIERS_CONFIG else r
-                                  for r in RULES])
+@pytest.mark.parametrize("rule", RULES)
 def test_the_tree_keeps_the_rule(rule: str) -> None:
     edges = [edge for edge in forbidden_edges(ROOT) if edge.endswith(f"({rule})")]
     assert not edges, "forbidden imports:\n" + "\n".join(edges)
@@ -149,14 +141,8 @@ def oversized_modules(root: Path) -> dict[str, int]:
 
 
 def test_no_product_module_is_over_the_line_limit() -> None:
-    over = {rel: n for rel, n in oversized_modules(ROOT).items() if rel not in TIERS_SPLIT_FILES}
+    over = oversized_modules(ROOT)
     assert not over, f"modules over {MAX_LINES} lines (split them along their seams): {over}"
-
-
-@AWAITING_TIERS_SPLIT
-def test_the_modules_the_tiers_split_handles_are_within_the_line_limit() -> None:
-    over = {rel: n for rel, n in oversized_modules(ROOT).items() if rel in TIERS_SPLIT_FILES}
-    assert not over, f"modules over {MAX_LINES} lines: {over}"
 
 
 def test_a_planted_oversized_module_is_caught(tmp_path: Path) -> None:

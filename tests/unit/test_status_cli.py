@@ -1,5 +1,5 @@
-"""`kvtier status` rendering: every lower tier of /status `tiers` shows, a tier the CLI does not know by name
-through the generic line (the real server's l2 and remote tiers: tests/integration/test_admin_api.py)."""
+"""`kvtier status` rendering: every lower tier of /status `tiers` shows the same way, a tier the CLI does not
+know by name too (the real server's l2 and remote tiers: tests/integration/test_admin_api.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ def test_unknown_tier_gets_generic_line():
               "tiers": [{"name": "nvme", "nvme_enabled": True, "nvme_entries": 7, "nvme_used_bytes": 4096,
                          "nvme_odirect": True, "nvme_path": "/mnt/x"}]}
     out = render(status).splitlines()
-    line = next((x for x in out if x.startswith("nvme  ")), None)
-    assert line == "nvme  entries 7, used_bytes 4096", out
+    at = next(i for i, x in enumerate(out) if x.startswith("nvme  "))
+    # the name, its text facts, its usage; the counts every tier has; its own facts
+    assert out[at] == "nvme  /mnt/x  4.0 KiB used of no limit, 7 chunks; read not measured, write not measured", out
+    assert out[at + 1].startswith("    0 written, 0 queued writes") and out[at + 2] == "    odirect yes", out
     assert "L2  off" in out  # no l2 among the tiers: as before
 
 

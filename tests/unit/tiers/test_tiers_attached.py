@@ -14,9 +14,9 @@ from kvtier.server.keys import Namespace, chunk_keys, digest
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool
 from kvtier.server.l1.store import L1Store
-from kvtier.server.metrics import L2Metrics, Metrics
+from kvtier.server.metrics import Metrics, TierMetrics
+from kvtier.server.tier_setup import make_tiers
 from kvtier.server.tiers import fs_io as fmt
-from kvtier.server.tiers import make_tiers
 from kvtier.server.tiers.attached import AttachedTier
 from kvtier.server.tiers.fs import FsTier
 from kvtier.server.tiers.record import ChunkMeta
@@ -166,7 +166,7 @@ def test_lookup_treats_an_unknown_answer_as_no_hit_and_stops_at_another_namespac
     for cls, expected in ((NotYet, []), (FsTier, ["l2"])):
         l1 = L1()
         l1.attach(AttachedTier(l1.store, l1.segment, cls(str(tmp_path / "l2"), 1 << 30), 16, l1.metrics,
-                               L2Metrics(l1.metrics)))
+                               TierMetrics(l1.metrics, "l2")))
         try:
             l1.holds.register(NS)
             found = l1.cache.lookup(fp, lists)
@@ -213,7 +213,7 @@ def test_a_lookup_goes_on_from_one_lower_tier_into_the_next(tmp_path):
     l1 = L1()
     for tier, metrics in ((first, l1.metrics), (second, Metrics())):  # kvtier_l2_* gauges: one set per registry
         l1.attach(AttachedTier(l1.store, l1.segment, type(tier)(tier.path, 1 << 30), 16, l1.metrics,
-                               L2Metrics(metrics)))
+                               TierMetrics(metrics, "l2")))
     try:
         l1.holds.register(NS)
         found = l1.cache.lookup(fp, [list(c.block_keys) for c in chunks])

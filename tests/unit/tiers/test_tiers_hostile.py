@@ -23,7 +23,7 @@ from kvtier.server.keys import Namespace, chunk_keys, digest
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool
 from kvtier.server.l1.store import L1Store
-from kvtier.server.metrics import L2Metrics, Metrics
+from kvtier.server.metrics import Metrics, TierMetrics
 from kvtier.server.tiers import fs_io as fmt
 from kvtier.server.tiers.attached import AttachedTier
 from kvtier.server.tiers.base import Cleared
@@ -120,7 +120,7 @@ class Rig:
         self.store = L1Store(PagePool(num_pages, PAGE), make_policy("lru"), self.metrics, min_block_bytes=256)
         self.holds = Holds(self.store, self.metrics)
         self.segment = np.zeros(num_pages * PAGE, dtype=np.uint8)
-        m = L2Metrics(self.metrics)
+        m = TierMetrics(self.metrics, "l2")
         self.tier = GatedTier(str(path), 1 << 30, on_corrupt=m.corrupt.inc)
         self.fp = self.holds.register(NS)
         self.chunks = chunk_keys(NS, list(range(seed, seed + n_chunks * NS.chunk_size)))

@@ -19,7 +19,7 @@ from kvtier.server.keys import Namespace, chunk_keys
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool
 from kvtier.server.l1.store import L1Store
-from kvtier.server.metrics import L2Metrics, Metrics
+from kvtier.server.metrics import Metrics, TierMetrics
 from kvtier.server.rpc import RequestHandler
 from kvtier.server.tiers import fs_io as fmt
 from kvtier.server.tiers.attached import AttachedTier
@@ -62,7 +62,7 @@ class Rig:
                              min_block_bytes=MIN_BLOCK_BYTES)
         self.holds = Holds(self.store, self.metrics)
         self.segment = np.zeros(num_pages * PAGE, dtype=np.uint8)
-        m = L2Metrics(self.metrics)
+        m = TierMetrics(self.metrics, "l2")
         self.tier = GatedTier(str(tmp_path), 1 << 30, on_corrupt=m.corrupt.inc)
         self.chunks = chunk_keys(NS, list(range(n_chunks * NS.chunk_size)))
         fp = NS.fingerprint()

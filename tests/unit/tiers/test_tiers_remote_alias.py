@@ -1,4 +1,4 @@
-"""How the remote tier reads an alias key's value (server/tiers/redis.py `_holders`): holder records appended
+"""How the remote tier reads an alias key's value (server/tiers/remote/layout.py `holders`): holder records appended
 one after another, the newest last; a value of an earlier kvtier (one record) and bytes that are not
 kvtier's."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from kvtier.server.tiers.redis import ALIAS, ALIAS_HOLDERS, _holders
+from kvtier.server.tiers.remote.layout import ALIAS, ALIAS_HOLDERS, holders
 
 pytestmark = pytest.mark.unit
 
@@ -18,21 +18,21 @@ def record(lead: int = 1) -> bytes:
 
 def test_holders_come_newest_first_each_once():
     a, b, c = record(), record(), record(2)
-    assert _holders(a + b + a + c) == [c, a, b]
+    assert holders(a + b + a + c) == [c, a, b]
 
 
 def test_an_earlier_kvtier_s_value_is_its_one_holder():
     one = record(3)
-    assert _holders(one) == [one]
+    assert holders(one) == [one]
 
 
 def test_at_most_the_newest_holders_are_read():
     records = [record() for _ in range(3 * ALIAS_HOLDERS)]
-    assert _holders(b"".join(records)) == records[::-1][:ALIAS_HOLDERS]
+    assert holders(b"".join(records)) == records[::-1][:ALIAS_HOLDERS]
 
 
 @pytest.mark.parametrize("junk", [b"", b"x", b"not kvtier's", os.urandom(ALIAS.size - 1)])
 def test_bytes_before_the_first_whole_record_are_ignored(junk):
-    assert _holders(junk) == []
+    assert holders(junk) == []
     newest = record()
-    assert _holders(junk + newest) == [newest]
+    assert holders(junk + newest) == [newest]
