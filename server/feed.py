@@ -90,8 +90,11 @@ def request(ctx: zmq.Context, endpoint: str, what: bytes, timeout_ms: int = 20_0
 
 def encode(event: object) -> dict[str, Any]:
     """An event as a map: its type's name and its fields (events are slotted dataclasses; not `asdict`,
-    which costs ten times as much)."""
-    return {"type": type(event).__name__, **{f: getattr(event, f) for f in event.__slots__}}  # type: ignore[attr-defined]
+    which costs ten times as much); a Stored's `tokens` and `parent` only when it has tokens."""
+    out = {"type": type(event).__name__, **{f: getattr(event, f) for f in event.__slots__}}  # type: ignore[attr-defined]
+    if out.get("tokens") == b"":
+        del out["tokens"], out["parent"]
+    return out
 
 
 class Feed:
