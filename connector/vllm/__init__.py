@@ -84,6 +84,8 @@ class KVTierConnector(KVConnectorBase_V1):
             side = self._scheduler = SchedulerSide(vllm_config, self.options, kv_cache_config)
         self.side = side
         side.client.connect()  # a miss-only start if the server is down; the client retries later
+        if self._scheduler is not None and self._scheduler.engine_events is not None:
+            self._scheduler.engine_events.start()  # subscribed before the engine serves: no store is missed
         log.info("kvtier connector (%s) for %s at %s", role.name.lower(), vllm_config.model_config.model,
                  self.options.url)
 

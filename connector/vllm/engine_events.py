@@ -246,8 +246,10 @@ def connect_address(endpoint: str, server_url: str) -> str:
 class EngineEvents:
     """The scheduler's subscriber: the feed read and converted on its own thread, handed over by `take`.
 
-    Started at the first `take` after the client's hello named the feed (a server without `--events-endpoint`
-    is logged once as an error; a later hello that names one starts it then)."""
+    `start` once the client said hello (before the engine serves: a subscriber misses what is published before
+    it joined); else the first `take` after a hello that named the feed starts it. A server without
+    `--events-endpoint` is logged once as an error. The thread converts nothing before the first `take`: the
+    engine sets up its hash seed (NONE_HASH) after the connector is built."""
 
     def __init__(self, events_endpoint: Callable[[], str], connected: Callable[[], bool], server_url: str,
                  converter: Converter) -> None:
@@ -257,19 +259,21 @@ class EngineEvents:
         self.converter = converter
         self._ready: deque[list[KVCacheEvent]] = deque()
         self._stop = threading.Event()
+        self._taking = threading.Event()
         self._thread: threading.Thread | None = None
         self._told = False
         self.undelivered = 0  # converted batches dropped while the engine took none (MAX_READY)
 
     def take(self) -> list[KVCacheEvent]:
         if self._thread is None:
-            self._start()
+            self.start()
+        self._taking.set()
         out: list[KVCacheEvent] = []
         while self._ready:
             out += self._ready.popleft()
         return out
 
-    def _start(self) -> None:
+    def start(self) -> None:
         endpoint = self._endpoint()
         if not endpoint:
             if self._connected() and not self._told:
@@ -286,11 +290,13 @@ class EngineEvents:
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)  # as the daemon's PUB
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(address)
         try:
             while not self._stop.is_set():
-                if not sub.poll(POLL_MS):
+                if not self._taking.is_set() or not sub.poll(POLL_MS):  # ZeroMQ queues meanwhile
+                    self._taking.wait(POLL_MS / 1000)
                     continue
                 frames = sub.recv_multipart()
                 try:
