@@ -10,12 +10,14 @@ made by the daemon's own encoder (server/feed.py) from server/events.py events a
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
-from kvtier.connector.vllm.engine_events import Converter, connect_address, engine_hasher  # noqa: E402
+from kvtier.connector.vllm.engine_events import Converter, EngineEvents, connect_address, engine_hasher  # noqa: E402
 from kvtier.connector.vllm.meta import ConnectorOptions  # noqa: E402
 from kvtier.server.events import Cleared, Removed, Stored  # noqa: E402
 from kvtier.server.feed import encode  # noqa: E402
@@ -159,3 +161,11 @@ def test_the_option_and_the_feed_address():
     assert connect_address("tcp://*:5557", "tcp://10.0.0.2:5555") == "tcp://10.0.0.2:5557"
     assert connect_address("tcp://127.0.0.1:5557", "tcp://10.0.0.2:5555") == "tcp://127.0.0.1:5557"
     assert connect_address("ipc:///run/kvtier.feed", "tcp://10.0.0.2:5555") == "ipc:///run/kvtier.feed"
+
+
+def test_a_server_without_a_feed_is_one_error_and_no_events(caplog):
+    events = EngineEvents(lambda: "", lambda: True, "tcp://127.0.0.1:5555", converter())
+    with caplog.at_level(logging.ERROR, logger="kvtier.connector"):
+        assert events.take() == [] and events.take() == []
+    assert [r.levelname for r in caplog.records] == ["ERROR"] and "--events-endpoint" in caplog.text
+    events.close()
