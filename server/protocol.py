@@ -12,6 +12,7 @@ from itertools import chain
 from typing import Any
 
 import msgpack
+import zmq
 from kvtier.server.keys import KEY_BYTES, chains
 
 PROTOCOL_VERSION = 3
@@ -349,3 +350,29 @@ class GpuMemory:
         """(allocation offset, bytes) of the pieces of one page, in L1 order."""
         base = self.layer_offsets[layer] + block * self.block_stride
         return [(base + h * self.run_stride, self.run_bytes) for h in range(self.runs)]
+
+
+# -- the event feed's replay socket, consumer side (server/feed.py, docs/events.md) ---------------
+
+FEED_SNAPSHOT = b"snapshot"  # the request for a snapshot; else a start sequence as 8 bytes big-endian
+FEED_END = (-1).to_bytes(8, "big", signed=True)  # the sequence frame of the end marker
+
+
+def feed_request(ctx: zmq.Context, endpoint: str, what: bytes, timeout_ms: int = 20_000) -> list[tuple[int, dict]]:
+    """A consumer's request on the replay socket at `endpoint` (a start sequence as 8 bytes big-endian, or
+    SNAPSHOT): the (sequence, payload) answers up to the end marker. TimeoutError if an answer takes longer."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", what])
+    out = []
+    try:
+        while True:
+            if not dealer.poll(timeout_ms):
+                raise TimeoutError(f"no answer from the event feed's replay socket {endpoint}")
+            _, seq, payload = dealer.recv_multipart()
+            if seq == FEED_END:
+                return out
+            out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+    finally:
+        dealer.close()

@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import msgpack
 import numpy as np
 import zmq
+from kvtier.server import protocol as p
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
@@ -41,6 +42,8 @@ MAX_CHUNKS = 1 << 16  # chunks whose engine hashes are remembered (about 2 KiB e
 MAX_ORPHANS = 4096  # chunks waiting for their parent's Stored
 MAX_READY = 10_000  # converted batches waiting for the scheduler's next step
 POLL_MS = 100
+SNAPSHOT_TIMEOUT_MS = 10_000
+RESYNC_WAIT_S = 1.0  # after a failed snapshot
 
 Hasher = Callable[[BlockHash | None, Sequence[int]], BlockHash]
 
@@ -104,6 +107,14 @@ class Converter:
             except (KeyError, TypeError, ValueError, AttributeError):
                 self.skipped["malformed"] += 1
         return out
+
+    def resync(self, epoch: str, held: list[dict[str, Any]]) -> list[KVCacheEvent]:
+        """Take a snapshot's view (its `Stored` events: what L1 and L2 hold) in place of the one built so far:
+        what it no longer lists is removed. The remote tier's chunks stay: snapshots do not list them."""
+        self.epoch = epoch
+        listed = {(str(e.get("tier")), bytes(e.get("key") or b"")) for e in held if e.get("ns") == self.ns}
+        out = self._drop(lambda tier, key: tier != "remote" and (tier, key) not in listed)
+        return out + self.batch({"epoch": epoch, "events": held})
 
     def convert(self, e: dict[str, Any]) -> list[KVCacheEvent]:
         kind = e["type"]
@@ -249,11 +260,13 @@ class EngineEvents:
     `start` once the client said hello (before the engine serves: a subscriber misses what is published before
     it joined); else the first `take` after a hello that named the feed starts it. A server without
     `--events-endpoint` is logged once as an error. The thread converts nothing before the first `take`: the
-    engine sets up its hash seed (NONE_HASH) after the connector is built."""
+    engine sets up its hash seed (NONE_HASH) after the connector is built. With the feed's replay socket
+    (`--events-replay-endpoint`) it starts from a snapshot (what the server held before this engine came) and
+    takes another one after a gap in the sequence, lost events or a daemon restart."""
 
-    def __init__(self, events_endpoint: Callable[[], str], connected: Callable[[], bool], server_url: str,
+    def __init__(self, endpoints: Callable[[], tuple[str, str]], connected: Callable[[], bool], server_url: str,
                  converter: Converter) -> None:
-        self._endpoint = events_endpoint
+        self._endpoints = endpoints  # the feed's PUB and replay addresses, as the last hello told them
         self._connected = connected
         self._url = server_url
         self.converter = converter
@@ -263,6 +276,7 @@ class EngineEvents:
         self._thread: threading.Thread | None = None
         self._told = False
         self.undelivered = 0  # converted batches dropped while the engine took none (MAX_READY)
+        self.snapshots = 0  # snapshots applied
 
     def take(self) -> list[KVCacheEvent]:
         if self._thread is None:
@@ -274,45 +288,83 @@ class EngineEvents:
         return out
 
     def start(self) -> None:
-        endpoint = self._endpoint()
+        endpoint, replay = self._endpoints()
         if not endpoint:
             if self._connected() and not self._told:
                 self._told = True
                 log.error("kvtier connector: engine_events is on but the kvtier server at %s runs without "
                           "--events-endpoint: no kvtier blocks in this engine's KV events", self._url)
             return
-        address = connect_address(endpoint, self._url)
-        self._thread = threading.Thread(target=self._run, args=(address,), name="kvtier-engine-events", daemon=True)
+        address, replay = connect_address(endpoint, self._url), connect_address(replay, self._url)
+        self._thread = threading.Thread(target=self._run, args=(address, replay), name="kvtier-engine-events",
+                                        daemon=True)
         self._thread.start()
-        log.info("kvtier connector: engine events from the kvtier feed at %s", address)
+        log.info("kvtier connector: engine events from the kvtier feed at %s (snapshots %s)", address,
+                 replay or "off")
 
-    def _run(self, address: str) -> None:
+    def _run(self, address: str, replay: str) -> None:
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)  # as the daemon's PUB
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(address)
+        last: int | None = None  # the sequence of the last batch applied (or of the snapshot)
+        resync = bool(replay)
         try:
             while not self._stop.is_set():
-                if not self._taking.is_set() or not sub.poll(POLL_MS):  # ZeroMQ queues meanwhile
+                if not self._taking.is_set():  # ZeroMQ queues meanwhile
                     self._taking.wait(POLL_MS / 1000)
+                    continue
+                if resync:
+                    last = self._snapshot(ctx, replay)
+                    resync = last is None
+                    if resync:
+                        self._stop.wait(RESYNC_WAIT_S)
+                        continue
+                if not sub.poll(POLL_MS):
                     continue
                 frames = sub.recv_multipart()
                 try:
-                    payload = msgpack.unpackb(frames[-1])
-                    events = self.converter.batch(payload) if isinstance(payload, dict) else []
+                    seq, payload = int.from_bytes(frames[1], "big"), msgpack.unpackb(frames[-1])
+                    epoch = payload["epoch"]
+                    if replay and (epoch != self.converter.epoch or payload.get("lost")
+                                   or (last is not None and seq > last + 1)):
+                        resync = True  # a snapshot rebuilds the view (it holds this batch's effect too)
+                        continue
+                    if last is not None and seq <= last and epoch == self.converter.epoch:
+                        continue  # in the snapshot already
+                    last = seq
+                    events = self.converter.batch(payload)
                 except Exception:  # a bad message is a counted skip, never the end of the thread
                     self.converter.skipped["malformed"] += 1
                     continue
-                if events:
-                    if len(self._ready) >= MAX_READY:
-                        self._ready.popleft()
-                        self.undelivered += 1
-                    self._ready.append(events)
+                self._hand(events)
         finally:
             sub.close(0)
             ctx.term()
+
+    def _snapshot(self, ctx: zmq.Context, replay: str) -> int | None:
+        """Apply a snapshot of the server's index; its sequence, or None when it failed (counted)."""
+        try:
+            answer = p.feed_request(ctx, replay, p.FEED_SNAPSHOT, SNAPSHOT_TIMEOUT_MS)
+            if not answer:
+                raise TimeoutError("the server could not list what it holds")
+            at, first = answer[0]
+            self._hand(self.converter.resync(first["epoch"], [e for _, b in answer for e in b["events"]]))
+        except (TimeoutError, zmq.ZMQError, KeyError, TypeError, ValueError) as exc:
+            self.converter.skipped["snapshot_failed"] += 1
+            log.debug("kvtier connector: event feed snapshot failed (%s)", exc)
+            return None
+        self.snapshots += 1
+        return at
+
+    def _hand(self, events: list[KVCacheEvent]) -> None:
+        if events:
+            if len(self._ready) >= MAX_READY:
+                self._ready.popleft()
+                self.undelivered += 1
+            self._ready.append(events)
 
     def close(self) -> None:
         self._stop.set()

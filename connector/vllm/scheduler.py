@@ -98,7 +98,8 @@ class SchedulerSide(ConnectorSide):
         converter = Converter(self.namespace("").fingerprint(), self.block_size,
                               engine_hasher(self.vllm_config.cache_config.prefix_caching_hash_algo))
         client = self.client
-        return EngineEvents(lambda: client.events_endpoint, lambda: client.connected, self.options.url, converter)
+        return EngineEvents(lambda: (client.events_endpoint, client.events_replay), lambda: client.connected,
+                            self.options.url, converter)
 
     def take_events(self) -> list[Any]:
         return self.engine_events.take() if self.engine_events is not None else []

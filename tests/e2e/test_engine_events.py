@@ -4,9 +4,10 @@ two real vLLM engines sharing one kvtier server, each publishing its KV events w
 structs (`KVEventBatch`, tests/e2e/kv_events_sub.py, in vLLM's python).
 
 A prompt sent to engine A only: A's stream shows kvtier's `BlockStored` (medium CPU, ownership kvtier) with the
-prompt's token ids and the very block hashes of A's own GPU `BlockStored` of those blocks; B's stream shows the
-same blocks as loadable, though B never saw the prompt. An L1 shrink evicts one of the prompt's two chunks:
-`BlockRemoved` of its blocks in both streams; an admin clear removes the other: `BlockRemoved` again, never
+prompt's token ids and the very block hashes of A's own GPU `BlockStored` of those blocks. Engine B, started
+after that store, shows the same blocks as loadable (from a snapshot of the server's feed), and a second prompt
+sent to A only reaches B's stream through the live feed. An L1 shrink evicts two of the four chunks:
+`BlockRemoved` of their blocks in both streams; an admin clear removes the others: `BlockRemoved` again, never
 `AllBlocksCleared`.
 """
 
@@ -72,56 +73,64 @@ def hashes(events: list[dict]) -> list:
 
 def test_kvtier_blocks_in_both_engines_streams_stored_evicted_cleared(vllm_python: Path, tiny_model: Path,
                                                                       logdir: Path):
-    port, http, feed, events_a, events_b = (harness.free_port() for _ in range(5))
-    with harness.start_kvtier(port, http, 0.25, ["--events-endpoint", f"tcp://127.0.0.1:{feed}"],
+    port, http, feed, replay, events_a, events_b = (harness.free_port() for _ in range(6))
+    with harness.start_kvtier(port, http, 0.25, ["--events-endpoint", f"tcp://127.0.0.1:{feed}",
+                                                 "--events-replay-endpoint", f"tcp://127.0.0.1:{replay}"],
                               python=vllm_python, logdir=logdir):
         stream_a = Stream(vllm_python, events_a, logdir, "a")
         stream_b = Stream(vllm_python, events_b, logdir, "b")
-        with stream_a.proc, stream_b.proc, \
-                engine(vllm_python, tiny_model, port, events_a, logdir, "vllm-a") as a, \
-                engine(vllm_python, tiny_model, port, events_b, logdir, "vllm-b") as b:
-            prompt = harness.prompt_ids(4 * BLOCK + 40, seed=11)  # 4 whole blocks: 2 kvtier chunks
-            harness.complete(a.port, prompt, 4)
+        with stream_a.proc, stream_b.proc, engine(vllm_python, tiny_model, port, events_a, logdir, "vllm-a") as a:
+            first = harness.prompt_ids(4 * BLOCK + 40, seed=11)  # 4 whole blocks: 2 kvtier chunks
+            harness.complete(a.port, first, 4)
+            until("A's GPU blocks and kvtier's", lambda: len(gpu_blocks(stream_a, first)) == 4
+                  and len(hashes(stream_a.kvtier("BlockStored"))) == 4, [a])
+            hashes_first = gpu_blocks(stream_a, first)
+            assert hashes(stream_a.kvtier("BlockStored")) == hashes_first  # the engine's own hashes of the blocks
+            with engine(vllm_python, tiny_model, port, events_b, logdir, "vllm-b") as b:
+                # B came after the store: it learns the first prompt's blocks from a snapshot of the server
+                until("the first prompt's blocks in B's stream",
+                      lambda: len(hashes(stream_b.kvtier("BlockStored"))) == 4, [a, b])
+                # a second prompt, sent to A only, reaches B through the live feed
+                second = harness.prompt_ids(4 * BLOCK + 40, seed=12)
+                harness.complete(a.port, second, 4)
+                until("the second prompt's blocks in both streams", lambda: len(gpu_blocks(stream_a, second)) == 4
+                      and all(len(hashes(s.kvtier("BlockStored"))) == 8 for s in (stream_a, stream_b)), [a, b])
+                both = hashes_first + gpu_blocks(stream_a, second)
+                for stream in (stream_a, stream_b):
+                    stored = stream.kvtier("BlockStored")
+                    assert hashes(stored) == both
+                    assert [t for e in stored for t in e["token_ids"]] == first[: 4 * BLOCK] + second[: 4 * BLOCK]
+                    assert {(e["medium"], e["block_size"], e["locality"]) for e in stored} == {("CPU", BLOCK, "LOCAL")}
+                    assert stored[0]["parent_block_hash"] is None
+                assert not set(both) & set(hashes(stream_b.events(type="BlockStored", ownership=None)))
 
-            blocks = [prompt[i * BLOCK:(i + 1) * BLOCK] for i in range(4)]
+                # an L1 shrink to half of what the four chunks take evicts two: BlockRemoved in both streams
+                l1 = harness.kvtier_status(http)["l1"]
+                assert l1["entries"] == 4
+                harness.http_json(http, "/reconfigure", {"l1_size_bytes": l1["used_bytes"] // 2})
+                until("an eviction in both streams", lambda: all(
+                    len(hashes(s.kvtier("BlockRemoved"))) == 4 for s in (stream_a, stream_b)), [a, b])
+                assert harness.kvtier_status(http)["l1"]["entries"] == 2
+                evicted = set(hashes(stream_a.kvtier("BlockRemoved")))
+                assert evicted < set(both) and evicted == set(hashes(stream_b.kvtier("BlockRemoved")))
 
-            def gpu_blocks() -> list:
-                """A's own hashes of the prompt's blocks, from its GPU BlockStored events, in prompt order."""
-                found = {}
-                for e in stream_a.events(type="BlockStored", ownership=None):
-                    for i, h in enumerate(e["block_hashes"]):
-                        tokens = e["token_ids"][i * BLOCK:(i + 1) * BLOCK]
-                        if tokens in blocks:
-                            found[blocks.index(tokens)] = h
-                return [found[i] for i in range(4)] if len(found) == 4 else []
+                # an admin clear removes the rest; never AllBlocksCleared (routers would drop the GPU blocks too)
+                harness.http_json(http, "/cache/clear", {"scope": "all"})
+                until("the clear in both streams", lambda: all(
+                    set(hashes(s.kvtier("BlockRemoved"))) == set(both) for s in (stream_a, stream_b)), [a, b])
+                for stream in (stream_a, stream_b):
+                    assert {e["medium"] for e in stream.kvtier("BlockRemoved")} == {"CPU"}
+                    assert not stream.events(type="AllBlocksCleared")
 
-            until("A's GPU blocks and kvtier's blocks in both streams",
-                  lambda: len(gpu_blocks()) == 4 and len(hashes(stream_a.kvtier("BlockStored"))) >= 4
-                  and len(hashes(stream_b.kvtier("BlockStored"))) >= 4, [a, b])
-            engine_hashes = gpu_blocks()
-            for stream in (stream_a, stream_b):
-                stored = stream.kvtier("BlockStored")
-                assert hashes(stored) == engine_hashes  # the engine's own hashes of the prompt's blocks
-                assert [t for e in stored for t in e["token_ids"]] == prompt[: 4 * BLOCK]
-                assert {(e["medium"], e["block_size"], e["locality"]) for e in stored} == {("CPU", BLOCK, "LOCAL")}
-                assert stored[0]["parent_block_hash"] is None
-            assert not set(engine_hashes) & set(hashes(stream_b.events(type="BlockStored", ownership=None)))
 
-            # an L1 shrink to half of what the two chunks take evicts one: BlockRemoved of its blocks in both streams
-            l1 = harness.kvtier_status(http)["l1"]
-            assert l1["entries"] == 2
-            harness.http_json(http, "/reconfigure", {"l1_size_bytes": l1["used_bytes"] // 2})
-            until("an eviction in both streams", lambda: stream_a.kvtier("BlockRemoved")
-                  and stream_b.kvtier("BlockRemoved"), [a, b])
-            assert harness.kvtier_status(http)["l1"]["entries"] == 1
-            evicted = set(hashes(stream_a.kvtier("BlockRemoved")))
-            assert len(evicted) == 2 and evicted <= set(engine_hashes)
-            assert evicted == set(hashes(stream_b.kvtier("BlockRemoved")))
-
-            # an admin clear removes the rest; never AllBlocksCleared (routers would drop the GPU blocks too)
-            harness.http_json(http, "/cache/clear", {"scope": "all"})
-            until("the clear in both streams", lambda: all(
-                set(hashes(s.kvtier("BlockRemoved"))) == set(engine_hashes) for s in (stream_a, stream_b)), [a, b])
-            for stream in (stream_a, stream_b):
-                assert {e["medium"] for e in stream.kvtier("BlockRemoved")} == {"CPU"}
-                assert not stream.events(type="AllBlocksCleared")
+def gpu_blocks(stream: Stream, prompt: list[int]) -> list:
+    """The engine's own hashes of the prompt's 4 whole blocks, from its GPU BlockStored events, in prompt order
+    ([] until all four were seen)."""
+    blocks = [prompt[i * BLOCK:(i + 1) * BLOCK] for i in range(4)]
+    found = {}
+    for e in stream.events(type="BlockStored", ownership=None):
+        for i, h in enumerate(e["block_hashes"]):
+            tokens = e["token_ids"][i * BLOCK:(i + 1) * BLOCK]
+            if tokens in blocks:
+                found[blocks.index(tokens)] = h
+    return [found[i] for i in range(4)] if len(found) == 4 else []

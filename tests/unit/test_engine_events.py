@@ -164,8 +164,19 @@ def test_the_option_and_the_feed_address():
 
 
 def test_a_server_without_a_feed_is_one_error_and_no_events(caplog):
-    events = EngineEvents(lambda: "", lambda: True, "tcp://127.0.0.1:5555", converter())
+    events = EngineEvents(lambda: ("", ""), lambda: True, "tcp://127.0.0.1:5555", converter())
     with caplog.at_level(logging.ERROR, logger="kvtier.connector"):
         assert events.take() == [] and events.take() == []
     assert [r.levelname for r in caplog.records] == ["ERROR"] and "--events-endpoint" in caplog.text
     events.close()
+
+
+def test_a_snapshot_replaces_the_view_keeping_the_remote_tiers_chunks():
+    conv = converter()
+    kept, gone, remote = prompt(NS.chunk_size, 9), prompt(NS.chunk_size, 10), prompt(NS.chunk_size, 11)
+    run(conv, *stored(kept), *stored(gone), *stored(remote, tier="remote"))
+    fresh = prompt(NS.chunk_size, 12)
+    out = conv.resync("e2", [*stored(kept), *stored(fresh)])  # a restarted daemon that kept one chunk
+    assert hashes_of(out, BlockRemoved) == engine_hashes(gone)
+    assert hashes_of(out, BlockStored) == engine_hashes(fresh) and conv.epoch == "e2"
+    assert run(conv, *stored(remote, tier="remote"), epoch="e2") == []  # still announced
