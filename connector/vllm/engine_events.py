@@ -122,7 +122,8 @@ class Converter:
             if e.get("ns") in (None, self.ns):
                 return self._drop(lambda tier, key: tier == e["tier"])
             return []
-        if e.get("ns") != self.ns:
+        if e.get("ns") != self.ns:  # another model's, another rank's, a request cache_salt's
+            self.skipped["other_namespace"] += 1
             return []
         if kind == "Stored":
             return self._stored(e)

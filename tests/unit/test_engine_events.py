@@ -145,7 +145,7 @@ def test_unknown_chunks_other_namespaces_bad_events_and_a_restart():
     assert run(conv, *stored(tokens, ns=other)) == []
     bad = {**stored(tokens)[0], "tokens": b"\x00" * 12}
     assert run(conv, bad, {"type": "Stored", "ns": FP}) == []
-    assert conv.skipped == {"no_tokens": 1, "malformed": 2}
+    assert conv.skipped == {"no_tokens": 1, "other_namespace": 1, "malformed": 2}
     run(conv, *stored(tokens))
     out = run(conv, *stored(prompt(NS.chunk_size, 8)), epoch="e2")  # the daemon restarted
     assert hashes_of(out, BlockRemoved) == engine_hashes(tokens) and conv.skipped["restart"] == 1
