@@ -107,7 +107,9 @@ class KVTierClient(Session):
         result = StoreResult()
         if not chunks:
             return result
-        items = [p.StoreItem(c.key, sizes(c), len(c.block_keys), c.aliases) for c in chunks]
+        feed = bool(self.events_endpoint)
+        items = [p.StoreItem(c.key, sizes(c), len(c.block_keys), c.aliases, c.tokens if feed else b"", c.parent)
+                 for c in chunks]
         got = self._exchange({"op": "reserve", "items": [i.to_wire() for i in items]}, ns)
         if got is None:
             result.refused["unreachable"] = len(chunks)

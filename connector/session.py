@@ -81,6 +81,8 @@ class Session:
         self.server_id = ""
         self.hellos = 0  # successful hellos: a server that forgot this client forgot its GPU registrations too
         self.heartbeat_s = 0.0  # how often the server wants a silent client to heartbeat (its hello reply)
+        self.events_endpoint = ""  # the server's event feed and its replay socket (its hello reply; "" if none)
+        self.events_replay = ""
         self._namespaces: dict[Namespace, bytes] = {}
         self._next_attempt = 0.0
         self._alive: ClientLock | None = None  # liveness lock beside the server's segment (docs/protocol.md)
@@ -151,6 +153,8 @@ class Session:
         link.array, link.page_size = segment.array(), reply["page_size"]
         self.server_id = reply["server_id"]
         self.heartbeat_s = float(reply.get("heartbeat_s") or 0.0)
+        self.events_endpoint = str(reply.get("events") or "")  # the server's event feed: stores name their tokens
+        self.events_replay = str(reply.get("events_replay") or "")
         self.hellos += 1
         self._namespaces = {ns: b"" for ns in self._namespaces}
         log.info("connected to kvtier server %s at %s", self.server_id[:8], self.config.url)
