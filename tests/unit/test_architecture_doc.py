@@ -23,7 +23,7 @@ def unnamed_modules(root: Path, doc: str) -> list[str]:
             rel = path.relative_to(root).as_posix()
             if path.name == "__init__.py" or rel.startswith(WHOLE_FOLDERS):
                 continue
-            if rel not in doc and f"`{path.name}`" not in doc and f"{path.name}" not in doc:
+            if rel not in doc and path.name not in doc:
                 out.append(rel)
     return out
 
