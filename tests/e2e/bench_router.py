@@ -2,11 +2,11 @@
 
 Not a pytest module (no ``test_`` prefix). Run from the project venv::
 
-    .venv/bin/python tests/e2e/bench_router.py [--policies rr,engine,kvtier] [--docs 10] [--questions 3]
+    .venv/bin/python tests/e2e/bench_router.py [--policies rr,engine,kvtier] [--rounds 2] [--docs 8] [--questions 3]
 
 A node = a kvtier server (its own L1, ``--events-endpoint``) and a vLLM (CPU build, tiny random Llama) with the
 kvtier connector, ``--kv-events-config`` on an ipc:// endpoint and a small KV cache
-(``--num-gpu-blocks-override 33``, 4,224 tokens: the engine's own prefix cache holds about three documents,
+(``--num-gpu-blocks-override 33``, 4,224 tokens: the engine's own prefix cache holds two documents,
 kvtier's L1 all of them). The router is tests/e2e/kv_router.py (vLLM's ``KVEventBatch`` and block hashes, the
 same PYTHONHASHSEED as the engines). Policies, each on fresh nodes in the same run:
 
@@ -114,7 +114,7 @@ def run_policy(name: str, reqs: list[tuple[int, list[int]]], py: Path, model: Pa
             harness.complete(vllm.port, harness.prompt_ids(200, seed=999), 1)
         kv_ports = [s.http_port for s, _ in cluster.nodes]  # type: ignore[attr-defined]
         v_ports = [v.port for _, v in cluster.nodes]
-        base = {k: sum_metric(kv_ports, k) for k in ("kvtier_requested_tokens", "kvtier_hit_tokens")}
+        base = {k: sum_metric(kv_ports, k) for k in ("kvtier_requested_tokens_total", "kvtier_hit_tokens_total")}
         base_src = {s: sum_metric(v_ports, "vllm:prompt_tokens_by_source_total", source=s)
                     for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
         outputs, ttfts = [], []
@@ -124,8 +124,8 @@ def run_policy(name: str, reqs: list[tuple[int, list[int]]], py: Path, model: Pa
             ttfts.append(ttft)
         time.sleep(1.0)
         stats = harness.http_json(cluster.router.port, "/router/stats")
-        requested = sum_metric(kv_ports, "kvtier_requested_tokens") - base["kvtier_requested_tokens"]
-        hit = sum_metric(kv_ports, "kvtier_hit_tokens") - base["kvtier_hit_tokens"]
+        requested = sum_metric(kv_ports, "kvtier_requested_tokens_total") - base["kvtier_requested_tokens_total"]
+        hit = sum_metric(kv_ports, "kvtier_hit_tokens_total") - base["kvtier_hit_tokens_total"]
         src = {s: sum_metric(v_ports, "vllm:prompt_tokens_by_source_total", source=s) - base_src[s]
                for s in base_src}
     finally:
@@ -141,6 +141,8 @@ def run_policy(name: str, reqs: list[tuple[int, list[int]]], py: Path, model: Pa
             matched += d["matched_blocks"] > 0
         served.setdefault(doc, set()).add(d["node"])
     total = sum(src.values())
+    per_request = [{"doc": doc, "node": d["node"], "matched_blocks": d["matched_blocks"], "ttft_ms": 1000 * t}
+                   for (doc, _), d, t in zip(reqs, decisions, ttfts, strict=True)]
     return {
         "policy": name, "requests": len(reqs), "repeats": repeats, "repeats_to_a_holder": to_holder,
         "repeats_with_matched_prefix": matched,
@@ -148,20 +150,39 @@ def run_policy(name: str, reqs: list[tuple[int, list[int]]], py: Path, model: Pa
         "kvtier_hit_rate": hit / requested if requested else 0.0,
         "prompt_tokens": total, "computed_share": src["local_compute"] / total if total else 0.0,
         "gpu_hit_tokens": src["local_cache_hit"], "kvtier_loaded_tokens": src["external_kv_transfer"],
-        "ttft_mean_ms": 1000 * statistics.fmean(ttfts), "ttft_repeat_mean_ms": 1000 * statistics.fmean(repeat_ttft)
-        if repeat_ttft else 0.0, "events": stats["events"], "index": stats["index"], "outputs": outputs,
+        "ttfts": ttfts, "repeat_ttfts": repeat_ttft, "events": stats["events"], "index": stats["index"],
+        "per_request": per_request, "outputs": outputs,
     }
+
+
+def combine(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """One policy's rounds: token and request counts summed, TTFT over all requests of all rounds."""
+    out: dict[str, Any] = {"policy": rows[0]["policy"], "rounds": len(rows)}
+    for k in ("requests", "repeats", "repeats_to_a_holder", "repeats_with_matched_prefix",
+              "kvtier_requested_tokens", "kvtier_hit_tokens", "prompt_tokens", "gpu_hit_tokens",
+              "kvtier_loaded_tokens"):
+        out[k] = sum(r[k] for r in rows)
+    out["kvtier_hit_rate"] = out["kvtier_hit_tokens"] / out["kvtier_requested_tokens"] \
+        if out["kvtier_requested_tokens"] else 0.0
+    out["computed_share"] = sum(r["computed_share"] * r["prompt_tokens"] for r in rows) / out["prompt_tokens"]
+    ttfts = [t for r in rows for t in r["ttfts"]]
+    repeats = [t for r in rows for t in r["repeat_ttfts"]]
+    out["ttft_mean_ms"], out["ttft_median_ms"] = 1000 * statistics.fmean(ttfts), 1000 * statistics.median(ttfts)
+    out["ttft_repeat_mean_ms"] = 1000 * statistics.fmean(repeats) if repeats else 0.0
+    out["ttft_mean_ms_per_round"] = [1000 * statistics.fmean(r["ttfts"]) for r in rows]
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policies", default="rr,engine,kvtier")
-    ap.add_argument("--docs", type=int, default=10)
-    ap.add_argument("--doc-tokens", type=int, default=1024)
+    ap.add_argument("--docs", type=int, default=8)
+    ap.add_argument("--doc-tokens", type=int, default=1920)
     ap.add_argument("--questions", type=int, default=3)
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=2, help="policies run interleaved, each on fresh nodes")
     ap.add_argument("--out", default="/tmp/kvtier-bench-router")
     a = ap.parse_args()
     names = a.policies.split(",")
@@ -170,20 +191,22 @@ def main() -> int:
         ap.error(f"unknown policies {sorted(unknown)}; known: {sorted(POLICIES)}")
     out_dir, py, model = harness.prepare_bench(a.out)
     reqs = workload(a.docs, a.doc_tokens, a.questions, a.question_tokens, a.seed)
-    rows = [run_policy(n, reqs, py, model, out_dir / "logs", a.max_tokens) for n in names]
-    same = all(r["outputs"] == rows[0]["outputs"] for r in rows)
+    runs = [run_policy(n, reqs, py, model, out_dir / "logs", a.max_tokens) for _ in range(a.rounds) for n in names]
+    same = all(r["outputs"] == runs[0]["outputs"] for r in runs)
+    rows = [combine([r for r in runs if r["policy"] == n]) for n in names]
     print(f"{len(reqs)} requests ({a.docs} documents x {a.questions} questions, {a.doc_tokens}+{a.question_tokens}"
           f" tokens), 2 nodes, GPU cache {GPU_BLOCKS} blocks of {BLOCK}; greedy outputs identical across "
-          f"policies: {same}")
+          f"policies: {same}; {a.rounds} round(s), policies interleaved")
     print(f"{'policy':8} {'kvtier hit rate':>15} {'computed':>9} {'repeats to holder':>18} "
-          f"{'TTFT mean ms':>13} {'TTFT repeats ms':>16}")
+          f"{'TTFT mean ms':>13} {'median':>7} {'repeats':>8}  per round")
     for r in rows:
+        per_round = " / ".join(f"{t:.0f}" for t in r["ttft_mean_ms_per_round"])
         print(f"{r['policy']:8} {r['kvtier_hit_rate']:15.1%} {r['computed_share']:9.1%} "
               f"{r['repeats_to_a_holder']:>11}/{r['repeats']:<6} {r['ttft_mean_ms']:13.1f} "
-              f"{r['ttft_repeat_mean_ms']:16.1f}")
+              f"{r['ttft_median_ms']:7.1f} {r['ttft_repeat_mean_ms']:8.1f}  {per_round}")
     json_path = out_dir / "bench_router.json"
-    json_path.write_text(json.dumps({"args": vars(a), "outputs_identical": same,
-                                     "rows": [{k: v for k, v in r.items() if k != "outputs"} for r in rows]},
+    json_path.write_text(json.dumps({"args": vars(a), "outputs_identical": same, "rows": rows,
+                                     "runs": [{k: v for k, v in r.items() if k != "outputs"} for r in runs]},
                                     indent=1))
     print(f"json: {json_path}")
     return 0 if same else 1

@@ -16,7 +16,8 @@ Run with the vLLM venv's python (it decodes with vLLM's own ``KVEventBatch`` and
 * ``prefix``: the node holding the longest run of the prompt's leading blocks (in any medium); on a tie or no
   match the one with the fewest requests in flight, then round robin. ``rr``: round robin.
 * HTTP: ``POST /v1/completions`` is forwarded to the chosen node, streamed responses chunk by chunk;
-  ``GET /router/stats`` tells each decision (node, matched blocks) and what the index holds per node/medium.
+  ``GET /router/stats`` tells each decision (node, matched blocks) and what the index holds per node/medium;
+  ``POST /router/match`` with ``{"prompt": ...}`` the prompt's leading blocks each node holds, per medium.
 """
 
 from __future__ import annotations
@@ -82,12 +83,13 @@ class BlockIndex:
         if not nodes:
             del self.holders[h]
 
-    def prefix_blocks(self, node: str, hashes: Sequence[Any]) -> int:
-        """How many of `hashes`, from the first, `node` holds in some medium."""
+    def prefix_blocks(self, node: str, hashes: Sequence[Any], medium: str | None = None) -> int:
+        """How many of `hashes`, from the first, `node` holds (in `medium`, or in any)."""
         with self.lock:
             n = 0
             for h in hashes:
-                if node not in self.holders.get(h, {}):
+                mediums = self.holders.get(h, {}).get(node)
+                if not mediums or (medium is not None and medium not in mediums):
                     break
                 n += 1
             return n
@@ -181,6 +183,13 @@ class Router:
                 self.decisions.append(d)
             return d
 
+    def match(self, prompt: Any) -> dict[str, dict[str, int]]:
+        """Per node, the prompt's leading blocks held in any medium ("any") and in each medium."""
+        hashes = self.hasher.hashes(self.hasher.token_ids(prompt))
+        mediums = sorted({m for n in self.index.summary().values() for m in n})
+        return {n.url: {"any": self.index.prefix_blocks(n.url, hashes),
+                        **{m: self.index.prefix_blocks(n.url, hashes, m) for m in mediums}} for n in self.nodes}
+
     def done(self, d: Decision) -> None:
         with self._lock:
             self.in_flight[d.node] -= 1
@@ -212,7 +221,7 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                 self._json(404, {"error": "not found"})
 
         def do_POST(self) -> None:
-            if self.path != "/v1/completions":
+            if self.path not in ("/v1/completions", "/router/match"):
                 self._json(404, {"error": "not found"})
                 return
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -220,6 +229,9 @@ def make_handler(router: Router) -> type[BaseHTTPRequestHandler]:
                 body = json.loads(raw)
             except json.JSONDecodeError:
                 self._json(400, {"error": "body is not JSON"})
+                return
+            if self.path == "/router/match":
+                self._json(200, router.match(body.get("prompt")))
                 return
             d = router.pick(body.get("prompt"))
             try:
