@@ -67,10 +67,10 @@ def start_cluster(policy: str, engine_events: bool, py: Path, model: Path, logdi
     servers, vllms, specs = [], [], []
     sockets = tempfile.mkdtemp(prefix="kvr-")  # ipc paths must stay short (about 100 bytes)
     for i in range(n_nodes):
-        port, http_port, feed = harness.free_port(), harness.free_port(), harness.free_port()
+        port, http_port = harness.free_port(), harness.free_port()
         servers.append(harness.start_kvtier(
             port, http_port, L1_GB, ["--shm-name", f"kvtier-router-{tag}-{i}-{port}",
-                                     "--events-endpoint", f"tcp://127.0.0.1:{feed}"],
+                                     "--events-endpoint", f"ipc://{sockets}/feed-{tag}-{i}.sock"],
             python=py, logdir=logdir, env_extra={"PYTHONHASHSEED": HASH_SEED}, name=f"kvtier-{tag}-{i}"))
         events = f"ipc://{sockets}/{tag}-{i}.sock"  # ipc binds, on this machine only
         kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events, "topic": "kv-events"}
