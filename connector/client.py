@@ -147,6 +147,8 @@ class KVTierClient:
         self.server_id = ""
         self.hellos = 0  # successful hellos: a server that forgot this client forgot its GPU registrations too
         self.heartbeat_s = 0.0  # how often the server wants a silent client to heartbeat (its hello reply)
+        self.events_endpoint = ""  # the server's event feed and its replay socket (its hello reply; "" if none)
+        self.events_replay = ""
         self._namespaces: dict[Namespace, bytes] = {}
         self._next_attempt = 0.0
         self._alive: ClientLock | None = None  # liveness lock beside the server's segment (docs/protocol.md)
@@ -240,6 +242,8 @@ class KVTierClient:
         link.array, link.page_size = segment.array(), reply["page_size"]
         self.server_id = reply["server_id"]
         self.heartbeat_s = float(reply.get("heartbeat_s") or 0.0)
+        self.events_endpoint = str(reply.get("events") or "")  # the server's event feed: stores name their tokens
+        self.events_replay = str(reply.get("events_replay") or "")
         self.hellos += 1
         self._namespaces = {ns: b"" for ns in self._namespaces}
         log.info("connected to kvtier server %s at %s", self.server_id[:8], self.config.url)
@@ -560,7 +564,9 @@ class KVTierClient:
         result = StoreResult()
         if not chunks:
             return result
-        items = [p.StoreItem(c.key, sizes(c), len(c.block_keys), c.aliases) for c in chunks]
+        feed = bool(self.events_endpoint)
+        items = [p.StoreItem(c.key, sizes(c), len(c.block_keys), c.aliases, c.tokens if feed else b"", c.parent)
+                 for c in chunks]
         got = self._exchange({"op": "reserve", "items": [i.to_wire() for i in items]}, ns)
         if got is None:
             result.refused["unreachable"] = len(chunks)

@@ -191,8 +191,9 @@ class GpuTransfers:
             return None
         bs, m = ns.block_size, self.memory
         ids = [list(block_ids[c.start_token // bs: c.start_token // bs + len(c.block_keys)]) for c in chunks]
+        feed = bool(self.client.events_endpoint)  # the server's event feed names each chunk's tokens
         items = [p.StoreItem(c.key, m.num_layers * len(c.block_keys) * m.page_bytes, len(c.block_keys),
-                             c.aliases).to_wire() for c in chunks]
+                             c.aliases, c.tokens if feed else b"", c.parent).to_wire() for c in chunks]
         return self._submit(tag, "store", ns, {"op": "gpu_store", "items": items, "block_ids": ids}, ids)
 
     def load(self, tag: Hashable, ns: Namespace, token_ids: Sequence[int], block_ids: Sequence[int],

@@ -322,7 +322,8 @@ class Cache:
 
     def held(self) -> list[events.Stored]:
         """Serving loop: every chunk L1 and the local lower tiers hold now (the event feed's snapshot)."""
-        out = [events.Stored(L1, e.ns, e.key, e.blocks, e.aliases, e.size) for e in self.store.entries.values()]
+        out = [events.Stored(L1, e.ns, e.key, e.blocks, e.aliases, e.size, e.tokens, e.parent)
+               for e in self.store.entries.values()]
         for tier in self.tiers:
             out += tier.tier.held()
         return out

@@ -158,6 +158,7 @@ class Daemon:
         feed = Feed(self.cache.bus, FeedConfig(c.events_endpoint, c.events_replay_endpoint, c.events_buffer_batches,
                                                c.events_queue_depth), FeedMetrics(self.metrics), self.cache.held)
         feed.start(loop.call_soon_threadsafe)
+        self.handler.events, self.handler.events_replay = c.events_endpoint, c.events_replay_endpoint
         return feed
 
     def _write_behind_again(self) -> Awaitable[None]:

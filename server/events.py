@@ -24,7 +24,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class Stored:
     """A chunk the tier holds from now on: `blocks` leading engine blocks, named by `key` (all of them) and by
-    `aliases` (the keys of its shorter leading runs), `size` payload bytes."""
+    `aliases` (the keys of its shorter leading runs), `size` payload bytes. `tokens` (its token ids, uint32
+    little-endian) and `parent` (the key of the chunk before it; b"" for the first) when its client sent
+    them: what an engine needs to name the chunk's blocks with its own hashes (docs/events.md)."""
 
     tier: str
     ns: bytes
@@ -32,6 +34,8 @@ class Stored:
     blocks: int
     aliases: tuple[bytes, ...]
     size: int
+    tokens: bytes = b""
+    parent: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 import zmq
+from kvtier.server import protocol as p
 from kvtier.server.events import Bus, Stored, Subscription
 from kvtier.server.metrics import FeedMetrics
 
@@ -42,8 +43,7 @@ REQUESTS_PER_STEP = 16  # replay-socket requests served between two takes from t
 SNAPSHOT_WAITERS_MAX = 1024  # snapshot requests waiting for a listing; more are answered with the end marker
 PUB_HWM = 100_000  # messages queued per PUB subscriber before ZeroMQ drops for it
 TOPIC = b""  # as vLLM's publisher's default
-SNAPSHOT = b"snapshot"
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
+SNAPSHOT, END_SEQ, request = p.FEED_SNAPSHOT, p.FEED_END, p.feed_request  # the consumer's side (protocol.py)
 
 
 class FeedUnavailable(Exception):
@@ -68,30 +68,13 @@ class _Mark:
     ready: threading.Event = field(default_factory=threading.Event)
 
 
-def request(ctx: zmq.Context, endpoint: str, what: bytes, timeout_ms: int = 20_000) -> list[tuple[int, dict]]:
-    """A consumer's request on the replay socket at `endpoint` (a start sequence as 8 bytes big-endian, or
-    SNAPSHOT): the (sequence, payload) answers up to the end marker. TimeoutError if an answer takes longer."""
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(endpoint)
-    dealer.send_multipart([b"", what])
-    out = []
-    try:
-        while True:
-            if not dealer.poll(timeout_ms):
-                raise TimeoutError(f"no answer from the event feed's replay socket {endpoint}")
-            _, seq, payload = dealer.recv_multipart()
-            if seq == END_SEQ:
-                return out
-            out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
-    finally:
-        dealer.close()
-
-
 def encode(event: object) -> dict[str, Any]:
     """An event as a map: its type's name and its fields (events are slotted dataclasses; not `asdict`,
-    which costs ten times as much)."""
-    return {"type": type(event).__name__, **{f: getattr(event, f) for f in event.__slots__}}  # type: ignore[attr-defined]
+    which costs ten times as much); a Stored's `tokens` and `parent` only when it has tokens."""
+    out = {"type": type(event).__name__, **{f: getattr(event, f) for f in event.__slots__}}  # type: ignore[attr-defined]
+    if out.get("tokens") == b"":
+        del out["tokens"], out["parent"]
+    return out
 
 
 class Feed:

@@ -139,6 +139,11 @@ class ChunkKeys:
     start_token: int
     num_blocks: int
     block_keys: tuple[bytes, ...]
+    # What an event consumer needs to hash the chunk its own way (docs/events.md): the key of the chunk before
+    # it (b"" for the first) and its token ids as little-endian uint32; b"" for a request with an identity
+    # (LoRA, multimodal, embeddings), whose key a consumer cannot recompute from token ids.
+    parent: bytes = b""
+    tokens: bytes = b""
 
     @property
     def key(self) -> bytes:
@@ -185,6 +190,13 @@ def chunk_keys(namespace: Namespace, token_ids: Sequence[int] | np.ndarray,
             if extra is not None:
                 hasher.update(_EXTRA_MARK + extra)
             keys.append(hasher.digest(length=KEY_BYTES))
-        out.append(ChunkKeys(index, start, namespace.blocks_per_chunk, tuple(keys)))
+        out.append(ChunkKeys(index, start, namespace.blocks_per_chunk, tuple(keys), out[-1].key if out else b"",
+                             b"" if identity.root or extras else data[start * 4 : end * 4]))
         prev = keys[-1]
     return out
+
+
+def chains(fingerprint: bytes, parent: bytes, tokens: bytes, key: bytes) -> bool:
+    """Whether `key` is the key of a chunk of `tokens` (little-endian uint32) after the chunk `parent` (b"": the
+    first chunk of namespace `fingerprint`, without a request identity): a client's claim checked."""
+    return digest((parent or digest(fingerprint)) + tokens) == key

@@ -7,12 +7,13 @@ Validation lives here so that the server and the client agree on the contract in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any
 
 import msgpack
-from kvtier.server.keys import KEY_BYTES
+import zmq
+from kvtier.server.keys import KEY_BYTES, chains
 
 PROTOCOL_VERSION = 3
 # Bounds on what one frame may make the server build, checked while msgpack decodes (docs/protocol.md):
@@ -22,7 +23,7 @@ MAX_ITEMS = 65536  # items of any list (chunks of a lookup, keys, ids)
 MAX_STORE_ITEMS = 8192  # items of one reserve: 2M tokens of 256-token chunks (each item costs ~10 us)
 MAX_MAP_FIELDS = 32  # fields of any map (a request, a namespace)
 MAX_STR_BYTES = 1024  # any string (instance names, tokens, namespace fields)
-MAX_BIN_BYTES = 64  # any byte string (keys and fingerprints are 16)
+MAX_BIN_BYTES = 64 << 10  # any byte string: keys and fingerprints are 16, a store item's tokens 4 per token
 MAX_BLOCKS = 4096  # engine blocks of one chunk
 MIN_BLOCK_BYTES = 1024  # L1 bytes a chunk's pages must hold per block: ties index size to L1 size
 
@@ -195,17 +196,21 @@ class StoreItem:
     size: int
     blocks: int
     aliases: tuple[bytes, ...]
+    tokens: bytes = b""  # the chunk's token ids (uint32 LE) and its parent's key, for the event feed (keys.py)
+    parent: bytes = b""
 
     def to_wire(self) -> list[Any]:
-        return [self.key, self.size, self.blocks, list(self.aliases)]
+        wire = [self.key, self.size, self.blocks, list(self.aliases)]
+        # a chunk of more than 16,384 tokens goes without them (its events then name no tokens)
+        return wire + [self.tokens, self.parent] if 0 < len(self.tokens) <= MAX_BIN_BYTES else wire
 
     @classmethod
     def from_wire(cls, value: Any) -> StoreItem:
         """A checked item: the aliases (one per leading block, at most blocks - 1) are distinct and none is
         the item's own key (which would leave an index entry behind when the chunk goes)."""
-        if not isinstance(value, list) or len(value) != 4:
-            raise ProtocolError(BAD_REQUEST, "a store item is [key, size, blocks, aliases]")
-        key, size, blocks, aliases = value
+        if not isinstance(value, list) or len(value) not in (4, 6):
+            raise ProtocolError(BAD_REQUEST, "a store item is [key, size, blocks, aliases(, tokens, parent)]")
+        key, size, blocks, aliases = value[:4]
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise ProtocolError(BAD_REQUEST, "store item size must be a positive integer")
         if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= MAX_BLOCKS:
@@ -213,9 +218,20 @@ class StoreItem:
         if not isinstance(aliases, list) or len(aliases) >= blocks:
             raise ProtocolError(BAD_REQUEST, "store item aliases must be a list shorter than blocks")
         item = cls(key_field(key), size, blocks, tuple(key_field(a, "alias") for a in aliases))
+        if len(value) == 6:
+            tokens, parent = value[4:]
+            if not isinstance(tokens, bytes) or not tokens or len(tokens) % 4:
+                raise ProtocolError(BAD_REQUEST, "store item tokens must be uint32 token ids as bytes")
+            item = replace(item, tokens=tokens, parent=key_field(parent, "parent") if parent else b"")
         if len(set(item.aliases) | {item.key}) != len(item.aliases) + 1:
             raise ProtocolError(BAD_REQUEST, "store item aliases must be distinct and differ from its key")
         return item
+
+    def check_tokens(self, fingerprint: bytes, block_size: int) -> None:
+        """BAD_REQUEST unless the item's tokens (when it has any) are its blocks' and give its key."""
+        if self.tokens and (len(self.tokens) != 4 * block_size * self.blocks
+                            or not chains(fingerprint, self.parent, self.tokens, self.key)):
+            raise ProtocolError(BAD_REQUEST, "store item tokens do not give its key")
 
     def check_fits(self, blocks_per_chunk: int, page_bytes: int, min_block_bytes: int) -> None:
         """BAD_REQUEST unless the item fits its namespace's chunks and its `page_bytes` of L1 pages hold
@@ -334,3 +350,29 @@ class GpuMemory:
         """(allocation offset, bytes) of the pieces of one page, in L1 order."""
         base = self.layer_offsets[layer] + block * self.block_stride
         return [(base + h * self.run_stride, self.run_bytes) for h in range(self.runs)]
+
+
+# -- the event feed's replay socket, consumer side (server/feed.py, docs/events.md) ---------------
+
+FEED_SNAPSHOT = b"snapshot"  # the request for a snapshot; else a start sequence as 8 bytes big-endian
+FEED_END = (-1).to_bytes(8, "big", signed=True)  # the sequence frame of the end marker
+
+
+def feed_request(ctx: zmq.Context, endpoint: str, what: bytes, timeout_ms: int = 20_000) -> list[tuple[int, dict]]:
+    """A consumer's request on the replay socket at `endpoint` (a start sequence as 8 bytes big-endian, or
+    SNAPSHOT): the (sequence, payload) answers up to the end marker. TimeoutError if an answer takes longer."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", what])
+    out = []
+    try:
+        while True:
+            if not dealer.poll(timeout_ms):
+                raise TimeoutError(f"no answer from the event feed's replay socket {endpoint}")
+            _, seq, payload = dealer.recv_multipart()
+            if seq == FEED_END:
+                return out
+            out.append((int.from_bytes(seq, "big"), msgpack.unpackb(payload)))
+    finally:
+        dealer.close()

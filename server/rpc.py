@@ -39,6 +39,8 @@ class RequestHandler:
         self.segment = segment
         self.chunk_size = chunk_size
         self.heartbeat_s = heartbeat_s
+        self.events = ""  # the event feed's PUB address (--events-endpoint) while it runs: told in the hello reply
+        self.events_replay = ""  # and its replay address (--events-replay-endpoint)
         self.metrics = cache.metrics
         self.gpu = gpu
         self._ops: dict[str, Handler] = {
@@ -125,6 +127,8 @@ class RequestHandler:
             chunk_size=self.chunk_size,
             heartbeat_s=self.heartbeat_s,
             lease_ttl_s=self.holds.lease_ttl_s,
+            events=self.events,
+            events_replay=self.events_replay,
             **self.segment,
         )
 

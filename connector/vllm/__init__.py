@@ -35,7 +35,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -81,6 +84,8 @@ class KVTierConnector(KVConnectorBase_V1):
             side = self._scheduler = SchedulerSide(vllm_config, self.options, kv_cache_config)
         self.side = side
         side.client.connect()  # a miss-only start if the server is down; the client retries later
+        if self._scheduler is not None and self._scheduler.engine_events is not None:
+            self._scheduler.engine_events.start()  # subscribed before the engine serves: no store is missed
         log.info("kvtier connector (%s) for %s at %s", role.name.lower(), vllm_config.model_config.model,
                  self.options.url)
 
@@ -112,6 +117,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """kvtier's blocks this engine can load, for its KV events (`"engine_events": true`, engine_events.py)."""
+        return self.scheduler.take_events()
 
     # ============================== worker side ==============================
 

@@ -42,10 +42,13 @@ class ConnectorOptions:
     model_id: str = ""  # names the weights instead of fingerprinting their files (docs/vllm.md, the key)
     verify_fraction: float = 0.0  # sampled hits recomputed and compared with what kvtier holds (0 = off)
     verify_tolerance: float = 0.05  # relative L2 difference above which a recomputed block is a mismatch
+    # kvtier's blocks in the engine's KV events (`"engine_events": true`, without the prefix: engine_events.py)
+    engine_events: bool = False
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorOptions:
         known = {f"kvtier.{name}": name for name in cls.__dataclass_fields__}
+        known["engine_events"] = "engine_events"
         unknown = sorted(k for k in extra if k.startswith("kvtier.") and k not in known)
         if unknown:
             raise ValueError(f"unknown kvtier options {unknown}; known: {sorted(known)}")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.results import L1_TIER
+from kvtier.connector.vllm.engine_events import Converter, EngineEvents, engine_hasher
 from kvtier.connector.vllm.identity import LoraFingerprints, request_identity
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.server.keys import PLAIN, Namespace, RequestIdentity
@@ -83,6 +84,30 @@ class SchedulerSide(ConnectorSide):
         # Every TP rank loads its share through the same server, hence the whole model's bytes.
         self.min_load_bandwidth = (kv_bytes_per_token(kv_cache_config) * options.prefill_tokens_per_s
                                    * vllm_config.parallel_config.tensor_parallel_size)
+        self.engine_events = self._engine_events() if options.engine_events else None
+
+    def _engine_events(self) -> EngineEvents | None:
+        """kvtier's blocks in this engine's KV events (engine_events.py); None when they cannot be."""
+        events_config = getattr(self.vllm_config, "kv_events_config", None)
+        if events_config is None or not events_config.enable_kv_cache_events:
+            log.warning("kvtier connector: engine_events needs vLLM's --kv-events-config with "
+                        "enable_kv_cache_events: off")
+            return None
+        if self.identity_error:
+            return None  # the model has no namespace: nothing of kvtier is loadable
+        converter = Converter(self.namespace("").fingerprint(), self.block_size,
+                              engine_hasher(self.vllm_config.cache_config.prefix_caching_hash_algo))
+        client = self.client
+        return EngineEvents(lambda: (client.events_endpoint, client.events_replay), lambda: client.connected,
+                            self.options.url, converter)
+
+    def take_events(self) -> list[Any]:
+        return self.engine_events.take() if self.engine_events is not None else []
+
+    def shutdown(self) -> None:
+        if self.engine_events is not None:
+            self.engine_events.close()
+        super().shutdown()
 
     def _track(self, request: Request) -> _Tracked:
         """Start tracking a request: its prompt, salt and identity (or why it has none: a counted skip)."""

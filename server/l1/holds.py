@@ -164,6 +164,7 @@ class Holds:
         ns, pool = store.namespace(fp), store.pool
         for item in items:
             item.check_fits(ns.blocks_per_chunk, pool.pages_for(item.size) * pool.page_size, store.min_block_bytes)
+            item.check_tokens(fp, ns.block_size)
         now = self.clock()
         results: list[list] = []
         broken = False  # an earlier item was refused: the later ones cannot be found until it is stored
@@ -216,7 +217,8 @@ class Holds:
                 continue
             self.metrics.store_seconds.observe(max(0.0, self.clock() - res.deadline + self.reservation_ttl_s))
             item = res.item
-            entry = self.store.insert(Entry(item.key, res.ns, item.size, item.blocks, res.extents, item.aliases))
+            entry = self.store.insert(Entry(item.key, res.ns, item.size, item.blocks, res.extents, item.aliases,
+                                            tokens=item.tokens, parent=item.parent))
             self.metrics.stores.inc()
             self.metrics.store_bytes.inc(item.size)
             self.metrics.item_bytes.observe(item.size)

@@ -21,7 +21,8 @@ class L1Reporter:
     def committed(self, entry: Entry, namespace: Namespace | None) -> None:
         del namespace
         if self.bus.active:
-            self.bus.post(Stored(L1, entry.ns, entry.key, entry.blocks, entry.aliases, entry.size))
+            self.bus.post(Stored(L1, entry.ns, entry.key, entry.blocks, entry.aliases, entry.size, entry.tokens,
+                                 entry.parent))
 
     def removed(self, entry: Entry, reason: str) -> None:
         if reason != "clear" and self.bus.active:

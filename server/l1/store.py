@@ -40,6 +40,8 @@ class Entry:
     readers: int = 0
     pins: int = 0
     doomed: bool = False  # removed while held: its pages return when the last hold goes
+    tokens: bytes = b""  # its token ids and parent key, when its client sent them (events.Stored)
+    parent: bytes = b""
 
     @property
     def pages(self) -> int:

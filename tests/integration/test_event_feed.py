@@ -5,6 +5,7 @@ restarted daemon has another epoch; an L2 write is a Stored of tier l2."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import signal
 import socket
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import zmq
 from _support import free_port, prompt, wait_for
-from kvtier.connector.client import ClientConfig, KVTierClient
+from kvtier.connector.client import ClientConfig, KVTierClient, KVTierError
 from kvtier.server.feed import request as ask
 from kvtier.server.keys import Namespace, chunk_keys
 
@@ -195,3 +196,48 @@ def test_a_busy_feed_address_fails_the_start_with_a_clear_error(kvtier_server):
     log = srv.log_text()
     assert f"kvtier server: the event feed cannot bind {address}: Address already in use" in log, log
     assert "Traceback" not in log and not srv.shm_path.exists()
+
+
+def test_stored_events_carry_the_chunks_tokens_and_parent_key(kvtier_server):
+    """A client learns the feed from the hello reply and sends each chunk's token ids and parent key with its
+    store; the server checks them against the key and the L1 Stored event (and a snapshot) carries them."""
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    srv = kvtier_server(l1_gb=L1_GB, extra=["--events-endpoint", pub, "--events-replay-endpoint", replay])
+    ctx = zmq.Context()
+    feed = Consumer(ctx, pub)
+    c = KVTierClient(ClientConfig(url=srv.url, strict=True))
+    try:
+        joined(c, feed, itertools.count(300))
+        assert c.events_endpoint == pub
+        tokens = prompt(7, 2 * NS.chunk_size + NS.block_size)  # two full chunks and a partial one of 1 block
+        first, second, third = store(c, tokens)
+        feed.wait("the partial chunk", type="Stored", tier="l1", key=third)
+        got = {e["key"]: e for e in feed.events(type="Stored", tier="l1")}
+        cs, bs = NS.chunk_size, NS.block_size
+        assert got[first]["parent"] == b"" and got[second]["parent"] == first and got[third]["parent"] == second
+        assert np.frombuffer(got[first]["tokens"], "<u4").tolist() == tokens[:cs].tolist()
+        assert np.frombuffer(got[second]["tokens"], "<u4").tolist() == tokens[cs:2 * cs].tolist()
+        assert np.frombuffer(got[third]["tokens"], "<u4").tolist() == tokens[2 * cs:2 * cs + bs].tolist()
+        snap = {e["key"]: e for _, b in ask(ctx, replay, b"snapshot") for e in b["events"]}
+        assert (snap[second]["tokens"], snap[second]["parent"]) == (got[second]["tokens"], first)
+
+        # tokens that do not give the key are refused (a buggy client), and nothing is stored
+        other = prompt(8, NS.chunk_size)
+        (chunk,) = chunk_keys(NS, other)
+        forged = dataclasses.replace(chunk, tokens=prompt(9, NS.chunk_size).astype("<u4").tobytes())
+        with pytest.raises(KVTierError, match="tokens do not give its key"):
+            c.store_chunks(NS, [forged], lambda ch: 2 * BLOCK_BYTES, lambda ch, span: None)
+        assert c.lookup(NS, other).matches == []
+    finally:
+        c.close()
+        ctx.destroy(linger=0)
+
+
+def test_a_server_without_a_feed_names_none_in_its_hello(kvtier_server):
+    srv = kvtier_server(l1_gb=L1_GB)
+    c = KVTierClient(ClientConfig(url=srv.url, strict=True))
+    try:
+        assert c.connect() and c.events_endpoint == ""
+        assert len(store(c, prompt(1, NS.chunk_size))) == 1 and c.lookup(NS, prompt(1, NS.chunk_size)).matches == [2]
+    finally:
+        c.close()

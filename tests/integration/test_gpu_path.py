@@ -17,8 +17,10 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
 from _gpu_rig import BLOCKS, LAYERS, PAGE_BYTES, FakeGpuWorker, namespace
 from _support import free_port, prompt, wait_for
 from kvtier.connector.client import ClientConfig, KVTierClient, KVTierError
@@ -118,6 +120,37 @@ def test_stored_blocks_load_bit_exact_into_other_blocks_also_partially(kvtier_se
     done = load(transfers, ns, other, dst, 0, 18)
     assert not done.ok and done.failed == set(dst[8:])
     assert holds_pattern(w, dst, 11, range(8))
+
+
+def test_a_gpu_store_names_its_chunks_tokens_and_parents_on_the_event_feed(kvtier_server, worker) -> None:
+    feed = f"tcp://127.0.0.1:{free_port()}"
+    srv = kvtier_server(extra=[*SERVER_FLAGS, "--events-endpoint", feed])
+    w = worker()
+    _, transfers = w.transfers(srv.url)
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(feed)
+    try:
+        ns, tokens = namespace("LBNHC"), prompt(3, TOKENS).tolist()
+        chunks = chunk_keys(ns, tokens)
+        time.sleep(0.3)  # the subscriber joins
+        store(transfers, ns, tokens, list(range(18)))
+        got: dict[bytes, dict] = {}
+
+        def all_stored() -> bool:
+            while sub.poll(50):
+                got.update((e["key"], e) for e in msgpack.unpackb(sub.recv_multipart()[-1])["events"])
+            return all(c.key in got for c in chunks)
+
+        wait_for(all_stored, timeout=20, what="the chunks' Stored events")
+        for before, chunk in zip([None, *chunks], chunks, strict=False):
+            e = got[chunk.key]
+            assert e["tokens"] == np.asarray(tokens[chunk.start_token:chunk.start_token + len(chunk.block_keys)
+                                                    * ns.block_size], "<u4").tobytes()
+            assert e["parent"] == (before.key if before else b"")
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_the_copy_waits_for_the_engines_event(kvtier_server, worker) -> None:
