@@ -60,6 +60,12 @@ class Cluster:
             vllm.stop()
             server.stop()
 
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
 
 def start_cluster(policy: str, engine_events: bool, py: Path, model: Path, logdir: Path, tag: str,
                   n_nodes: int = 2) -> Cluster:
@@ -108,8 +114,7 @@ def sum_metric(ports: list[int], name: str, **labels: str) -> float:
 def run_policy(name: str, reqs: list[tuple[int, list[int]]], py: Path, model: Path, logdir: Path,
                max_tokens: int) -> dict[str, Any]:
     policy, engine_events = POLICIES[name]
-    cluster = start_cluster(policy, engine_events, py, model, logdir, name)
-    try:
+    with start_cluster(policy, engine_events, py, model, logdir, name) as cluster:
         for _, vllm in cluster.nodes:  # first-request costs out of the figures
             harness.complete(vllm.port, harness.prompt_ids(200, seed=999), 1)
         kv_ports = [s.http_port for s, _ in cluster.nodes]  # type: ignore[attr-defined]
@@ -128,8 +133,6 @@ def run_policy(name: str, reqs: list[tuple[int, list[int]]], py: Path, model: Pa
         hit = sum_metric(kv_ports, "kvtier_hit_tokens_total") - base["kvtier_hit_tokens_total"]
         src = {s: sum_metric(v_ports, "vllm:prompt_tokens_by_source_total", source=s) - base_src[s]
                for s in base_src}
-    finally:
-        cluster.stop()
     decisions = stats["decisions"]
     served: dict[int, set[str]] = {}
     repeat_ttft, repeats, to_holder, matched = [], 0, 0, 0

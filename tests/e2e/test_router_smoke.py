@@ -45,15 +45,20 @@ def wait_match(port: int, prompt: list[int] | str, node: str, medium: str, block
         time.sleep(0.2)
 
 
+def first_ask(port: int, seed: int) -> tuple[list[int], list[int] | str, dict]:
+    """A new document's first question through the router: (document, greedy output, the router's decision)."""
+    doc = harness.prompt_ids(DOC, seed=seed)
+    out, _ = harness.complete(port, doc + harness.prompt_ids(40, seed=1), 8)
+    d = last_decision(port)
+    assert d["matched_blocks"] == 0, d
+    return doc, out, d
+
+
 def test_repeat_goes_to_the_node_whose_engine_events_show_the_prefix(tiny_model: Path, vllm_python: Path,
                                                                     logdir: Path) -> None:
-    cluster = start_cluster("prefix", False, vllm_python, tiny_model, logdir, "smoke")
-    try:
+    with start_cluster("prefix", False, vllm_python, tiny_model, logdir, "smoke") as cluster:
         port = cluster.router.port
-        doc = harness.prompt_ids(DOC, seed=3001)
-        harness.complete(port, doc + harness.prompt_ids(40, seed=1), 2)
-        first = last_decision(port)
-        assert first["matched_blocks"] == 0
+        doc, _, first = first_ask(port, 3001)
         wait_match(port, doc, first["node"], "GPU", DOC // BLOCK)
         for q in (2, 3):
             harness.complete(port, doc + harness.prompt_ids(40, seed=q), 2)
@@ -69,18 +74,14 @@ def test_repeat_goes_to_the_node_whose_engine_events_show_the_prefix(tiny_model:
         complete_text(port, TEXT + " and one more question")
         d = last_decision(port)
         assert d["node"] == text_first["node"] and d["matched_blocks"] == blocks, d
-    finally:
-        cluster.stop()
 
 
 def test_repeat_follows_kvtier_events_after_the_engine_evicted_it(tiny_model: Path, vllm_python: Path,
                                                                  logdir: Path) -> None:
-    cluster = start_cluster("prefix", True, vllm_python, tiny_model, logdir, "smokekv")
-    try:
+    with start_cluster("prefix", True, vllm_python, tiny_model, logdir, "smokekv") as cluster:
         port = cluster.router.port
-        doc = harness.prompt_ids(DOC, seed=3002)
-        expected, _ = harness.complete(port, doc + harness.prompt_ids(40, seed=1), 8)
-        holder = last_decision(port)["node"]
+        doc, expected, first = first_ask(port, 3002)
+        holder = first["node"]
         vllm = next(v for _, v in cluster.nodes if holder.endswith(f":{v.port}"))
         for s in range(3):  # other documents straight to the holder: its 33-block GPU cache drops the first
             harness.complete(vllm.port, harness.prompt_ids(DOC, seed=4000 + s), 1)
@@ -95,5 +96,3 @@ def test_repeat_follows_kvtier_events_after_the_engine_evicted_it(tiny_model: Pa
         assert d["node"] == holder and d["matched_blocks"] == DOC // BLOCK, d
         assert loaded >= DOC - BLOCK, loaded
         assert out == expected
-    finally:
-        cluster.stop()
