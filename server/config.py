@@ -89,7 +89,8 @@ class ServerConfig:
                               "this zone first)")
     events_endpoint: str = _opt("", "publish what the cache stores and removes on this ZeroMQ PUB address "
                                     "(tcp://host:port or ipc://path; vLLM's KV-event framing, docs/events.md; "
-                                    "empty: no feed). Unauthenticated: it shows chunk keys to whoever connects")
+                                    "empty: no feed). Unauthenticated: it shows chunk keys and the stored "
+                                    "prompts' token ids to whoever connects")
     events_replay_endpoint: str = _opt("", "ZeroMQ ROUTER address where feed consumers ask for missed batches "
                                            "or a snapshot (docs/events.md; empty: none)")
     events_buffer_batches: int = _opt(10_000, "event batches the feed keeps for replay")

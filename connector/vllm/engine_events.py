@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -122,7 +123,8 @@ class Converter:
             if e.get("ns") in (None, self.ns):
                 return self._drop(lambda tier, key: tier == e["tier"])
             return []
-        if e.get("ns") != self.ns:
+        if e.get("ns") != self.ns:  # another model's, another rank's, a request cache_salt's
+            self.skipped["other_namespace"] += 1
             return []
         if kind == "Stored":
             return self._stored(e)
@@ -310,29 +312,29 @@ class EngineEvents:
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(address)
         last: int | None = None  # the sequence of the last batch applied (or of the snapshot)
-        resync = bool(replay)
+        resync, retry_at = bool(replay), 0.0  # a snapshot is due; while it fails, live batches still apply
         try:
             while not self._stop.is_set():
                 if not self._taking.is_set():  # ZeroMQ queues meanwhile
                     self._taking.wait(POLL_MS / 1000)
                     continue
-                if resync:
-                    last = self._snapshot(ctx, replay)
-                    resync = last is None
-                    if resync:
-                        self._stop.wait(RESYNC_WAIT_S)
-                        continue
+                if resync and time.monotonic() >= retry_at:
+                    at = self._snapshot(ctx, replay)
+                    if at is None:
+                        retry_at = time.monotonic() + RESYNC_WAIT_S
+                    else:
+                        last, resync = at, False
                 if not sub.poll(POLL_MS):
                     continue
                 frames = sub.recv_multipart()
                 try:
                     seq, payload = int.from_bytes(frames[1], "big"), msgpack.unpackb(frames[-1])
                     epoch = payload["epoch"]
-                    if replay and (epoch != self.converter.epoch or payload.get("lost")
-                                   or (last is not None and seq > last + 1)):
+                    if replay and not resync and (epoch != self.converter.epoch or payload.get("lost")
+                                                  or (last is not None and seq > last + 1)):
                         resync = True  # a snapshot rebuilds the view (it holds this batch's effect too)
                         continue
-                    if last is not None and seq <= last and epoch == self.converter.epoch:
+                    if not resync and last is not None and seq <= last:
                         continue  # in the snapshot already
                     last = seq
                     events = self.converter.batch(payload)

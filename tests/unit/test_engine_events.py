@@ -11,6 +11,7 @@ made by the daemon's own encoder (server/feed.py) from server/events.py events a
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -19,9 +20,10 @@ pytest.importorskip("vllm")
 
 from kvtier.connector.vllm.engine_events import Converter, EngineEvents, connect_address, engine_hasher  # noqa: E402
 from kvtier.connector.vllm.meta import ConnectorOptions  # noqa: E402
-from kvtier.server.events import Cleared, Removed, Stored  # noqa: E402
-from kvtier.server.feed import encode  # noqa: E402
+from kvtier.server.events import Bus, Cleared, Removed, Stored  # noqa: E402
+from kvtier.server.feed import Feed, FeedConfig, encode  # noqa: E402
 from kvtier.server.keys import Namespace, chunk_keys  # noqa: E402
+from kvtier.server.metrics import FeedMetrics, Metrics  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
@@ -145,7 +147,7 @@ def test_unknown_chunks_other_namespaces_bad_events_and_a_restart():
     assert run(conv, *stored(tokens, ns=other)) == []
     bad = {**stored(tokens)[0], "tokens": b"\x00" * 12}
     assert run(conv, bad, {"type": "Stored", "ns": FP}) == []
-    assert conv.skipped == {"no_tokens": 1, "malformed": 2}
+    assert conv.skipped == {"no_tokens": 1, "other_namespace": 1, "malformed": 2}
     run(conv, *stored(tokens))
     out = run(conv, *stored(prompt(NS.chunk_size, 8)), epoch="e2")  # the daemon restarted
     assert hashes_of(out, BlockRemoved) == engine_hashes(tokens) and conv.skipped["restart"] == 1
@@ -180,3 +182,58 @@ def test_a_snapshot_replaces_the_view_keeping_the_remote_tiers_chunks():
     assert hashes_of(out, BlockRemoved) == engine_hashes(gone)
     assert hashes_of(out, BlockStored) == engine_hashes(fresh) and conv.epoch == "e2"
     assert run(conv, *stored(remote, tier="remote"), epoch="e2") == []  # still announced
+
+
+def chunks_of(tokens: list[int]) -> list[Stored]:
+    return [Stored("l1", FP, c.key, len(c.block_keys), c.aliases, 1024, c.tokens, c.parent)
+            for c in chunk_keys(NS, tokens)]
+
+
+def collect(events: EngineEvents, got: list, until_: object, what: str, poke: object = None) -> None:
+    for _ in range(400):
+        if poke is not None:
+            poke()  # type: ignore[operator]
+        got += events.take()
+        if until_():  # type: ignore[operator]
+            return
+        time.sleep(0.025)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_over_a_real_feed_a_late_engine_starts_from_a_snapshot_and_a_restart_resyncs(tmp_path):
+    """A real daemon feed (server/feed.py, real ZeroMQ sockets, no server): what was stored before the engine
+    subscribed comes from a snapshot, later stores live; a restarted feed (another epoch) that kept one prompt
+    only is a resync: BlockRemoved for the other, nothing again for the kept one."""
+    pub, replay = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
+    before, after = prompt(2 * NS.chunk_size, 20), prompt(2 * NS.chunk_size, 21)  # 8 blocks each
+    held = chunks_of(before)
+
+    def feed_with(listing: list[Stored]) -> tuple[Bus, Feed]:
+        bus = Bus()
+        feed = Feed(bus, FeedConfig(pub, replay), FeedMetrics(Metrics()), lambda: list(listing))
+        feed.start(lambda fn, *a: fn(*a))
+        return bus, feed
+
+    bus, feed = feed_with(held)
+    events = EngineEvents(lambda: (pub, replay), lambda: True, "tcp://127.0.0.1:5555", converter())
+    got: list = []
+    try:
+        events.start()
+        collect(events, got, lambda: len(hashes_of(got, BlockStored)) == 8, "the snapshot's blocks")
+        assert hashes_of(got, BlockStored) == engine_hashes(before) and events.snapshots == 1
+        for s in chunks_of(after):
+            bus.post(s)
+            held.append(s)
+        collect(events, got, lambda: len(hashes_of(got, BlockStored)) == 16, "the live store's blocks")
+        assert hashes_of(got, BlockStored)[8:] == engine_hashes(after)
+
+        feed.stop()
+        bus, feed = feed_with(held[2:])  # another epoch, holding the second prompt only
+        # its batches (of another namespace's chunk, until the subscriber has joined) show the new epoch
+        collect(events, got, lambda: hashes_of(got, BlockRemoved), "the resync",
+                lambda: bus.post(Stored("l1", b"\x07" * 16, b"\x07" * 16, 1, (), 1024)))
+        assert hashes_of(got, BlockRemoved) == engine_hashes(before) and events.snapshots == 2
+        assert len(hashes_of(got, BlockStored)) == 16
+    finally:
+        events.close()
+        feed.stop()

@@ -12,7 +12,7 @@ import pytest
 from kvtier.server import protocol as p
 from kvtier.server.cache import Cache
 from kvtier.server.eviction import make_policy
-from kvtier.server.keys import MAX_NS_STR, Namespace, chunk_keys
+from kvtier.server.keys import MAX_NS_STR, Namespace, chunk_keys, digest
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool
 from kvtier.server.l1.store import Entry, L1Store
@@ -106,6 +106,9 @@ def test_worst_frames_are_refused_fast():
         "reserve, 8192 items": {"op": "reserve", "ns": fp,
                                  "items": [[i.to_bytes(16), PAGE, 4, [(i + j << 20).to_bytes(16) for j in (1, 2, 3)]]
                                            for i in range(p.MAX_STORE_ITEMS)]},
+        "reserve, 8192 items with checked tokens": {"op": "reserve", "ns": fp, "items": [
+            [digest(digest(fp) + tokens), PAGE, 1, [], tokens, b""]
+            for tokens in (i.to_bytes(4 * NS.block_size) for i in range(p.MAX_STORE_ITEMS))]},
         "acquire, 65536 keys": {"op": "acquire", "ns": fp, "keys": [key] * p.MAX_ITEMS},
         "commit, 65536 ids": {"op": "commit", "res": list(range(p.MAX_ITEMS))},
     }
@@ -116,6 +119,7 @@ def test_worst_frames_are_refused_fast():
         reply = msgpack.unpackb(h.handle(IDENT, frame), raw=False)
         took = time.perf_counter() - started
         assert isinstance(reply, dict), name
+        assert reply.get("ok") or "tokens" not in name, reply  # every item's tokens were checked
         assert took < 1.0, f"{name}: {took:.2f} s holds the serving loop"
         print(f"{name}: {len(frame) / 1e6:.1f} MB frame answered in {took * 1000:.0f} ms")
 
