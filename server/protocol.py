@@ -31,7 +31,7 @@ MAX_LAYERS = 1024  # layers of one registered GPU memory
 MAX_EVENTS = 256  # interprocess events of one GPU registration
 
 OPS = ("hello", "register", "lookup", "reserve", "commit", "abort", "acquire", "release", "heartbeat", "stats", "bye",
-       "report", "gpu_register", "gpu_unregister", "gpu_store", "gpu_load")
+       "report", "gpu_register", "gpu_unregister", "gpu_store", "gpu_load", "end_session")
 
 # What a `report` counts (docs/protocol.md): the connector's side of "the right answer or a recompute".
 # Requests not looked up or stored because a fact of their identity could not be established:
@@ -80,6 +80,13 @@ NO_SPACE = "no_space"
 TOO_LARGE = "too_large"
 NOT_ADMITTED = "not_admitted"  # L1 is full and the policy keeps what it holds (docs/performance.md, eviction)
 PREFIX_REFUSED = "prefix_refused"  # an earlier item of the same reserve was refused: this one is unreachable
+TENANT_MAX = "tenant_max"  # the tenant is at its maximum and none of its own chunks can make room (docs/tenants.md)
+TENANT_GUARANTEE = "tenant_guarantee"  # the room is held by other tenants within their guaranteed shares
+RETAINED = "retained"  # only chunks kept by request hints (retain_s, a live session) could make the room
+
+# Request hints (docs/hints.md): a store's eviction class, how long to keep it, the session that keeps it.
+PRIORITIES = ("low", "normal", "high")
+MAX_SESSION_ID = 128
 MAX_LOOKUP_RANKS = 1024  # other workers (TP ranks) one lookup may name: the frame limit bounds their keys
 
 
@@ -242,6 +249,38 @@ class StoreItem:
         if self.blocks > max(1, page_bytes // min_block_bytes):
             raise ProtocolError(BAD_REQUEST, f"store item of {self.size} bytes claims {self.blocks} blocks: at "
                                 f"most one per {min_block_bytes} bytes of its L1 pages")
+
+
+@dataclass(frozen=True)
+class Hint:
+    """What a request asked of its stored chunks (docs/hints.md): kept at least `retain_s` seconds (within the
+    server's bound), evicted in the order of `priority` (an index into PRIORITIES), kept while `session` lives.
+    Sent as the `hint` map of a reserve; the connector leaves it out when the request gave none."""
+
+    retain_s: float = 0.0
+    priority: int = 1
+    session: str = ""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"retain_s": self.retain_s, "priority": PRIORITIES[self.priority], "session": self.session}
+
+    @classmethod
+    def from_wire(cls, value: Any) -> Hint:
+        if not isinstance(value, dict):
+            raise ProtocolError(BAD_REQUEST, "hint must be a map of retain_s, priority, session")
+        retain = value.get("retain_s", 0.0)
+        priority = value.get("priority", "normal")
+        session = value.get("session", "")
+        if isinstance(retain, bool) or not isinstance(retain, int | float) or not 0 <= retain < float("inf"):
+            raise ProtocolError(BAD_REQUEST, "hint retain_s must be a non-negative number of seconds")
+        if priority not in PRIORITIES:
+            raise ProtocolError(BAD_REQUEST, f"hint priority must be one of {', '.join(PRIORITIES)}")
+        if not isinstance(session, str) or len(session) > MAX_SESSION_ID:
+            raise ProtocolError(BAD_REQUEST, f"hint session must be a string of at most {MAX_SESSION_ID} characters")
+        return cls(float(retain), PRIORITIES.index(priority), session)
+
+
+NO_HINT = Hint()
 
 
 def int_field(message: dict[str, Any], name: str, low: int, high: int, default: Any = ...) -> int:
