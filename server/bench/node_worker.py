@@ -126,7 +126,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.ns = namespace(spec.block_tokens, spec.chunk_tokens)
-        self.client = TimedClient(ClientConfig(url=spec.url, strict=True, request_timeout_s=60.0,
+        self.client = TimedClient(ClientConfig(url=spec.url, strict=True, request_timeout_s=10.0,
                                                instance=f"bench-node-{spec.index}"))
         self.client.connect()
         self.fp = self.client._ns_id(self.ns)  # the fingerprint the client sends (the echo frames carry it)
