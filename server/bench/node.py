@@ -243,6 +243,8 @@ def _result(args: argparse.Namespace, rows: list[dict[str, Any]], load0: tuple[f
             "assumed_gpus": args.gpus, "assumed_engine_rps": args.engine_rps,
             "node_ops_per_s": node_ops, "node_core_fraction": node_ops * cpu_op,
             "gpus_served": sat_req / args.engine_rps if args.engine_rps else 0.0,
+            "cpu_us_per_op_range": [min(r["kvtier"]["cpu_us_per_op"] for r in rows),
+                                    max(r["kvtier"]["cpu_us_per_op"] for r in rows)],
         },
         "figure": {"name": f"kvtier ops/s at N={top['clients']}", "value": k["ops_per_s"]},
         "baseline": {"name": f"bare ZeroMQ ROUTER + msgpack echo ops/s, same frames, N={top['clients']}",
@@ -284,7 +286,8 @@ def _text(r: dict[str, Any]) -> str:
         f"\nSATURATION  at N={s['at_clients']} the daemon spent {s['cpu_us_per_op']:.1f} us CPU per op "
         f"({s['measured_ops_per_s']:.0f} ops/s used {s['measured_cpu_cores']:.2f} cores); one core would serve "
         f"~{s['ops_per_s_at_one_core']:.0f} ops/s = ~{s['requests_per_s_at_one_core']:.0f} requests/s at "
-        f"{s['ops_per_request']:.2f} ops per request")
+        f"{s['ops_per_request']:.2f} ops per request (CPU per op over all N: {s['cpu_us_per_op_range'][0]:.1f}-"
+        f"{s['cpu_us_per_op_range'][1]:.1f} us)")
     lines.append(
         f"NODE        assuming {s['assumed_engine_rps']:.0f} requests/s per GPU engine: {s['assumed_gpus']} GPUs "
         f"send {s['node_ops_per_s']:.0f} ops/s = {s['node_core_fraction']:.0%} of the serving loop's core; "
