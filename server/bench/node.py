@@ -62,6 +62,7 @@ class Phase:
     hits: int
     errors: int
     ops: dict[str, int]
+    stores: dict[str, int]
     latency_us: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @property
@@ -128,16 +129,19 @@ def phase(pool: Pool, target: str, n: int, pid: int, seconds: float, max_request
     outs = pool.command(n, {"cmd": "run", "target": target, "seconds": seconds, "max_requests": max_requests})
     wall, cpu = time.perf_counter() - t0, cpu_seconds(pid) - cpu0
     ops: dict[str, int] = {}
+    stores: dict[str, int] = {}
     hists = {op: Histogram() for op in OPS}
     for out in outs:
         for op, count in out["ops"].items():
             ops[op] = ops.get(op, 0) + count
+        for name, count in out["stores"].items():
+            stores[name] = stores.get(name, 0) + count
         for op, bins in out["latency"].items():
             hists.setdefault(op, Histogram()).merge(bins)
     latency = {op: {"p50_us": h.percentile_us(50), "p99_us": h.percentile_us(99), "n": h.count}
                for op, h in hists.items() if h.count}
     return Phase(target, n, wall, cpu, sum(o["requests"] for o in outs), sum(o["hits"] for o in outs),
-                 sum(o["errors"] for o in outs), ops, latency)
+                 sum(o["errors"] for o in outs), ops, stores, latency)
 
 
 def start_echo() -> tuple[subprocess.Popen, str]:
@@ -279,8 +283,9 @@ def _text(r: dict[str, Any]) -> str:
                      f"{k['cpu_cores']:9.2f} {k['cpu_us_per_op']:9.1f}  " + "  ".join(cells)
                      + f"  {e['ops_per_s']:10.0f} {e['cpu_us_per_op']:14.1f} {elook:15.0f} {row['ops_ratio']:10.2f}x"
                      f" {row['cpu_ratio']:13.1f}x")
-        if k["errors"] or e["errors"]:
-            lines.append(f"    errors: kvtier {k['errors']}, echo {e['errors']}")
+        not_stored = {name: n for name, n in k["stores"].items() if name != "stored" and n}
+        if k["errors"] or e["errors"] or not_stored:
+            lines.append(f"    errors: kvtier {k['errors']}, echo {e['errors']}; chunks not stored: {not_stored}")
     s = r["saturation"]
     lines.append(
         f"\nSATURATION  at N={s['at_clients']} the daemon spent {s['cpu_us_per_op']:.1f} us CPU per op "

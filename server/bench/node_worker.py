@@ -92,6 +92,7 @@ class RunResult:
     ops: dict[str, int] = field(default_factory=dict)  # every request sent, by op (non-waited releases too)
     latency: dict[str, dict[int, int]] = field(default_factory=dict)  # waited round trips, by op
     errors: int = 0
+    stores: dict[str, int] = field(default_factory=dict)  # chunks by store outcome: stored, existing, busy, refused
 
 
 def namespace(block_tokens: int, chunk_tokens: int) -> Namespace:
@@ -175,7 +176,12 @@ class Worker:
             c.release([found.lease], wait=False)  # the scheduler's release, batched with the next step's
         skip = in_l1 * bt // self.spec.chunk_tokens
         if skip < len(stored):
-            c.store_chunks(self.ns, stored[skip:], lambda ck: self.kv.chunk_bytes(len(ck.block_keys)), self._write)
+            res = c.store_chunks(self.ns, stored[skip:], lambda ck: self.kv.chunk_bytes(len(ck.block_keys)),
+                                 self._write)
+            tally = c.run.stores
+            for name, n in (("stored", res.stored), ("existing", res.existing), ("busy", res.busy),
+                            *((f"refused_{why}", k) for why, k in res.refused.items())):
+                tally[name] = tally.get(name, 0) + n
 
     def _read(self, chunk: ReadChunk) -> None:
         if self.spec.copy:

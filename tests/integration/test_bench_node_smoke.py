@@ -45,7 +45,8 @@ def test_bench_node_json():
                 assert 0 < phase["latency_us"][op]["p50_us"] <= phase["latency_us"][op]["p99_us"]
         # the hit path: an acquire and two releases (the acquire's, the lookup lease's) per hit
         assert k["ops"]["acquire"] == k["hits"] and k["ops"]["release"] == 2 * k["hits"]
-        assert k["ops"]["commit"] == k["requests"]  # every request stores its new chunks
+        assert k["ops"]["reserve"] == k["requests"] and e["ops"]["commit"] == e["requests"]  # each stores its new chunks
+        assert 0 < k["ops"]["commit"] <= k["ops"]["reserve"] and k["stores"]["stored"] >= k["ops"]["commit"]
         assert _positive(row["ops_ratio"])
         for op in OPS:
             sent[op] += k["ops"][op]
