@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.server.eviction import DEFAULT_POLICY, POLICIES
+from kvtier.server.tenants import QuotaTable
 from kvtier.server.tiers.fs import FsOptions
 from kvtier.server.tiers.remote.options import READ_FROM, RemoteAccess, RemoteOptions, parse_remote_url
 from kvtier.shm.segment import tmpfs_options
@@ -57,6 +58,8 @@ class ServerConfig:
     l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (aligned buffers; buffered if the filesystem refuses it)")
     l2_queue_depth: int = _opt(1024, "chunks the L2 write-behind queue holds before L2 copies are dropped")
     l2_eviction_policy: str = _opt("lru", "eviction policy of the L2 tier", choices=sorted(POLICIES))
+    l2_tenant_quotas: str = _opt("", "per-tenant L2 quotas, NAME=GUARANTEED[:MAXIMUM],... in bytes or % of "
+                                     "--l2-size-gb (empty: none; docs/l2.md, \"Tenants\")")
     remote_url: str = _opt("", "Redis >= 7 / Valkey >= 8 remote tier shared by nodes: redis://[user:password@]"
                                 "host:port[/db], rediss:// for TLS, redis+cluster://host:port,host:port,... "
                                 "(rediss+cluster:// for TLS) for a Cluster (empty: no remote tier)", secret=True)
@@ -157,6 +160,8 @@ class ServerConfig:
                              "be positive")
         if self.l2_path and (self.l2_bytes <= 0 or self.l2_queue_depth <= 0):
             raise ValueError("--l2-size-gb and --l2-queue-depth must be positive when --l2-path is set")
+        if self.l2_path:
+            self.l2_quota_table()
         if self.remote_url:
             self._validate_remote()
         self._validate_events()
@@ -189,9 +194,21 @@ class ServerConfig:
         return RemoteAccess(self.remote_tls_ca_file, self.remote_tls_cert_file, self.remote_tls_key_file,
                             self.remote_password_file, self.remote_read_from, self.remote_az)
 
+    def l2_quota_table(self) -> QuotaTable | None:
+        """--l2-tenant-quotas parsed and checked against --l2-size-gb (ValueError naming the flag)."""
+        if not self.l2_tenant_quotas.strip():
+            return None
+        try:
+            table = QuotaTable.parse(self.l2_tenant_quotas)
+            table.limits(self.l2_bytes)
+        except ValueError as exc:
+            raise ValueError(f"--l2-tenant-quotas: {exc}") from None
+        return table
+
     def l2_options(self) -> FsOptions:
         """The disk tier's options (server/tiers/fs.py), from the --l2-* flags."""
-        return FsOptions(self.l2_path, self.l2_bytes, self.l2_odirect, self.l2_eviction_policy, self.l2_queue_depth)
+        return FsOptions(self.l2_path, self.l2_bytes, self.l2_odirect, self.l2_eviction_policy, self.l2_queue_depth,
+                         self.l2_quota_table())
 
     def remote_options(self) -> RemoteOptions:
         """The remote tier's options (server/tiers/remote/options.py), from the --remote-* flags."""
