@@ -28,6 +28,8 @@ from kvtier.server.tiers.record import ChunkMeta
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 QUOTA = "quota"  # eviction reason: the tenant's own chunk, removed to keep it within its maximum
+EVICTIONS = ("capacity", QUOTA, "clear")  # reasons every tenant's series carry from the start (0 until the first)
+REFUSALS = (TENANT_MAX, TENANT_GUARANTEE)
 Evict = Callable[[str, Callable[[bytes], bool]], bool]  # (reason, allowed) -> whether a victim was evicted
 
 
@@ -195,7 +197,8 @@ class FsTenants:
 class TenantCollector:
     """The tier's per-tenant metrics, read at scrape time from `rows` (FsTenants.rows, under the tier's lock):
     kvtier_<tier>_tenant_used_bytes{tenant}, _evictions_total{tenant,reason}, _refused_total{tenant,reason}.
-    Labels stay bounded: only the table's tenants and `*`, and the tier's own reasons."""
+    Labels stay bounded: only the table's tenants and `*`, and the tier's own reasons (the usual ones from
+    the start, at 0, so that a dashboard can divide by them)."""
 
     def __init__(self, tier: str, rows: Callable[[], list[dict]]) -> None:
         self.prefix = f"kvtier_{tier}_tenant"
@@ -212,10 +215,9 @@ class TenantCollector:
         for row in rows:
             used.add_metric([row["tenant"]], row["used_bytes"])
             entries.add_metric([row["tenant"]], row["entries"])
-            for reason, n in sorted(row["evictions"].items()):
-                evictions.add_metric([row["tenant"], reason], n)
-            for reason, n in sorted(row["refused"].items()):
-                refused.add_metric([row["tenant"], reason], n)
+            for family, known, counts in ((evictions, EVICTIONS, row["evictions"]), (refused, REFUSALS, row["refused"])):
+                for reason, n in sorted({**dict.fromkeys(known, 0), **counts}.items()):
+                    family.add_metric([row["tenant"], reason], n)
         yield from (used, entries, evictions, refused)
 
     def describe(self) -> list:
