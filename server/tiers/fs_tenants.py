@@ -84,17 +84,21 @@ class FsTenants:
         """The tenant chunks of namespace `fp` count to now."""
         return self._charged.get(fp) or self._resolve(fp)
 
-    def _resolve(self, fp: bytes) -> str:
+    def _resolve(self, fp: bytes, remember: bool = False) -> str:
+        """The tenant of namespace `fp` by its salt (`*` while it is not registered); `remember` keeps the
+        salt (only for namespaces the tier holds chunks of: `charge` forgets it with the last one)."""
         salt = self._salts.get(fp)
         if salt is None:
             namespace = self.lookup(fp)
             if namespace is None:
                 return DEFAULT_TENANT
-            salt = self._salts[fp] = namespace.cache_salt
+            salt = namespace.cache_salt
+            if remember:
+                self._salts[fp] = salt
         return tenant_of(salt, self.table.names if self.table is not None else ())
 
     def _charge_to(self, fp: bytes) -> str:
-        tenant = self._charged[fp] = self._resolve(fp)
+        tenant = self._charged[fp] = self._resolve(fp, remember=True)
         return tenant
 
     def charge(self, fp: bytes, entries: int, nbytes: int) -> None:
@@ -117,7 +121,7 @@ class FsTenants:
         if not self.active:
             return
         for fp in [fp for fp, t in self._charged.items() if t == DEFAULT_TENANT and fp not in self._salts]:
-            tenant = self._resolve(fp)
+            tenant = self._resolve(fp, remember=True)
             if tenant != DEFAULT_TENANT:
                 entries, nbytes = self._ns[fp]
                 old, new = self.usage[DEFAULT_TENANT], self.usage[tenant]
