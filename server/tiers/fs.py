@@ -109,7 +109,9 @@ class FsTier(LowerTier):
     def stats(self) -> dict:
         """Whether O_DIRECT, asked for, was taken by the directory, and the tenants' rows (AttachedTier adds
         the common facts)."""
-        return {f"{self.name}_odirect": self.odirect_active, f"{self.name}_tenants": self.tenant_rows()}
+        table = self.tenants.table
+        return {f"{self.name}_odirect": self.odirect_active, f"{self.name}_tenants": self.tenant_rows(),
+                f"{self.name}_tenant_quotas": table.text() if table is not None else ""}
 
     def tenant_rows(self) -> list[dict]:
         """Per tenant: bytes, files, limits, evictions and refusals by reason (any thread)."""

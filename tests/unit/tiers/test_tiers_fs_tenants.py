@@ -157,6 +157,7 @@ def test_per_tenant_metrics_and_status_rows(tmp_path):
     assert 'kvtier_l2_tenant_refused_total{reason="tenant_guarantee",tenant="*"} 1.0' in text
     assert 'kvtier_l2_tenant_evictions_total{reason="quota",tenant="B"} 0.0' in text  # known reasons from 0
     assert 'kvtier_l2_tenant_refused_total{reason="tenant_max",tenant="*"} 0.0' in text
+    assert tier.stats()["l2_tenant_quotas"] == "B=100%"
     stats = tier.stats()["l2_tenants"]
     assert [(r["tenant"], r["entries"], r["max_bytes"]) for r in stats] == [("B", 2, 2 * FILE), ("*", 0, 2 * FILE)]
 
