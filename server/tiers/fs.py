@@ -129,8 +129,8 @@ class FsTier(LowerTier):
         with self._lock:
             self.tenants.set_table(table)
             entries, nbytes = self._shed_locked()
-        return {"table": table.text() if table is not None else "", "shed_entries": entries,
-                "shed_bytes": nbytes}
+        return {"table": table.text() if table is not None else "", "evicted_entries": entries,
+                "evicted_bytes": nbytes}
 
     def _file(self, key: bytes) -> str:
         return os.path.join(self.path, fs_io.file_name(key))
@@ -140,23 +140,23 @@ class FsTier(LowerTier):
         self._index[meta.key] = meta
         self._prefix.add(meta, meta.key, meta.blocks, meta.aliases)
         self.policy.insert(meta.key, meta.file_bytes)
-        self.tenants.charge(meta.ns, 1, 0 if reserved else meta.file_bytes)
+        self.tenants.add(meta, reserved)
 
     def _index_drop(self, key: bytes, reason: str | None = None) -> ChunkMeta | None:
         """Forget a file; `reason` counts it as its tenant's eviction."""
         meta = self._index.pop(key, None)
         if meta is None:
             return None
-        if reason is not None:
-            self.tenants.evicted(meta, reason)
+        self.tenants.drop(meta, reason)
         self._prefix.remove(meta, meta.key, meta.aliases)
         self.policy.remove(key)
         self._used -= meta.file_bytes
-        self.tenants.charge(meta.ns, -1, -meta.file_bytes)
         return meta
 
-    def _evict_one_locked(self, reason: str, allowed: Callable[[bytes], bool] | None = None) -> bool:
-        key = self.policy.pick_victim(allowed or self._index.__contains__)
+    def _evict_one_locked(self, reason: str, allowed: Callable[[ChunkMeta], bool] | None = None) -> bool:
+        """Evict the policy's next victim (among the chunks `allowed` names: fs_tenants.py); False if none."""
+        key = self.policy.pick_victim(self._index.__contains__) if allowed is None \
+            else self.tenants.victim(self.policy, self._index, allowed)
         if key is None:
             return False
         meta = self._index_drop(key, reason)
@@ -194,7 +194,7 @@ class FsTier(LowerTier):
                 self.tenants.refuse(self.tenants.tenant(meta.ns), refused)
                 return False
             self._used += need  # reserved before the write, so disk use never exceeds the budget
-            self.tenants.charge(meta.ns, 0, need)
+            self.tenants.reserve(meta.ns, need)
             self._writing.add(meta.key)
         try:
             fs_io.write_file(self.path, meta, payload, self.odirect_active)
@@ -223,14 +223,14 @@ class FsTier(LowerTier):
 
     def _unreserve_locked(self, meta: ChunkMeta, need: int) -> None:
         self._used -= need
-        self.tenants.charge(meta.ns, 0, -need)
+        self.tenants.reserve(meta.ns, -need)
         self._writing.discard(meta.key)
 
     def _make_room_locked(self, meta: ChunkMeta, need: int) -> str | None:
         """Evict for a put of `need` bytes: None when it may go ahead, else why it is refused. Without a
         quota table, the policy's victims until it fits; with one, the rules of fs_tenants.py."""
         if self.tenants.active:
-            return self.tenants.make_room(meta, need, self._index, self._evict_one_locked,
+            return self.tenants.make_room(meta, need, self._evict_one_locked,
                                           lambda: self._used + need > self._capacity)
         while self._used + need > self._capacity and self._evict_one_locked("capacity"):
             pass
@@ -239,7 +239,7 @@ class FsTier(LowerTier):
     def _shed_locked(self) -> tuple[int, int]:
         """Evict tenants' chunks over their maximum (fs_tenants.py): (chunks, bytes) removed."""
         before = self._used
-        return self.tenants.shed(self._index, self._evict_one_locked), before - self._used
+        return self.tenants.shed(self._evict_one_locked), before - self._used
 
     def sync(self) -> None:
         with self._sync_lock:

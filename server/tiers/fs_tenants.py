@@ -12,7 +12,10 @@ tenants in O(namespaces).
 The rules (docs/l2.md, "Tenants"): a tenant over its maximum makes room from its own chunks first (reason
 "quota"; a put that cannot fit within the maximum is refused `tenant_max`); another tenant's chunk is never a
 victim when evicting it would take that tenant under its guarantee (a put that cannot get room is refused
-`tenant_guarantee`); otherwise the policy's order stands.
+`tenant_guarantee`); otherwise the policy's order stands. As in L1 (server/l1/tenants.py), a victim search
+passes at most WALK_BOUND chunks it may not evict in the policy's order; then the victim is the oldest file
+(in the order files were indexed) of the tenant furthest over its guarantee, so a guaranteed tenant's cold
+files at the front of the order never make each put walk them all while holding the tier's lock.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+from kvtier.server.eviction.base import EvictionPolicy
 from kvtier.server.keys import Namespace
 from kvtier.server.protocol import TENANT_GUARANTEE, TENANT_MAX
 from kvtier.server.tenants import DEFAULT_TENANT, Limits, QuotaTable, tenant_of
@@ -30,7 +34,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 QUOTA = "quota"  # eviction reason: the tenant's own chunk, removed to keep it within its maximum
 EVICTIONS = ("capacity", QUOTA, "clear")  # reasons every tenant's series carry from the start (0 until the first)
 REFUSALS = (TENANT_MAX, TENANT_GUARANTEE)
-Evict = Callable[[str, Callable[[bytes], bool]], bool]  # (reason, allowed) -> whether a victim was evicted
+WALK_BOUND = 16  # chunks a victim search may pass in the policy's order before it takes the fallback (as L1)
+Allowed = Callable[[ChunkMeta], bool]
+Evict = Callable[[str, Allowed], bool]  # (reason, which chunks may go) -> whether a victim was evicted
+
+
+class Bounded(Exception):
+    """The policy's walk passed WALK_BOUND chunks it may not evict: take the victim from the fallback order."""
 
 
 @dataclass
@@ -43,17 +53,27 @@ class TenantUsage:
     refused: Counter[str] = field(default_factory=Counter)  # reason -> puts refused
 
 
+@dataclass
+class _Held:
+    """One namespace's chunks in the tier."""
+
+    entries: int = 0
+    nbytes: int = 0  # file bytes, those of its writes in flight included
+    order: dict[bytes, tuple[int, ChunkMeta]] = field(default_factory=dict)  # key -> (seq, record), oldest first
+
+
 class FsTenants:
     """Per-tenant accounting of one tier of `capacity` bytes under a quota table (None: every chunk in `*`,
-    no limits). Not thread-safe: the tier calls it under its lock."""
+    no limits), and its victims. Not thread-safe: the tier calls it under its lock."""
 
     def __init__(self, capacity: int, table: QuotaTable | None = None,
                  lookup: Callable[[bytes], Namespace | None] | None = None) -> None:
         self.capacity = capacity
         self.lookup: Callable[[bytes], Namespace | None] = lookup or (lambda _fp: None)
-        self._ns: dict[bytes, list[int]] = {}  # fingerprint -> [entries, bytes] held (reserved bytes included)
+        self._ns: dict[bytes, _Held] = {}  # fingerprint -> what the tier holds of it
         self._charged: dict[bytes, str] = {}  # fingerprint -> the tenant its usage counts to now
         self._salts: dict[bytes, str] = {}  # fingerprint -> cache salt, once its namespace was registered
+        self._seq = 0  # files indexed so far: the fallback order across namespaces
         self.table: QuotaTable | None = None
         self.limits: dict[str, Limits] = {}
         self.usage: dict[str, TenantUsage] = {}
@@ -73,12 +93,12 @@ class FsTenants:
         for usage in self.usage.values():
             usage.used_bytes = usage.entries = 0
         self._charged.clear()
-        for fp, (entries, nbytes) in self._ns.items():
+        for fp, held in self._ns.items():
             usage = self.usage[self._charge_to(fp)]
-            usage.entries += entries
-            usage.used_bytes += nbytes
+            usage.entries += held.entries
+            usage.used_bytes += held.nbytes
 
-    # -- accounting ------------------------------------------------------------------------------
+    # -- which tenant ----------------------------------------------------------------------------
 
     def tenant(self, fp: bytes) -> str:
         """The tenant chunks of namespace `fp` count to now."""
@@ -86,7 +106,7 @@ class FsTenants:
 
     def _resolve(self, fp: bytes, remember: bool = False) -> str:
         """The tenant of namespace `fp` by its salt (`*` while it is not registered); `remember` keeps the
-        salt (only for namespaces the tier holds chunks of: `charge` forgets it with the last one)."""
+        salt (only for namespaces the tier holds chunks of: it is forgotten with the last one)."""
         salt = self._salts.get(fp)
         if salt is None:
             namespace = self.lookup(fp)
@@ -101,21 +121,6 @@ class FsTenants:
         tenant = self._charged[fp] = self._resolve(fp, remember=True)
         return tenant
 
-    def charge(self, fp: bytes, entries: int, nbytes: int) -> None:
-        """Add `entries` files and `nbytes` bytes (negative: remove) to namespace `fp`'s tenant. A put
-        reserves its bytes first (0, need) and adds the file once indexed (1, 0)."""
-        held = self._ns.setdefault(fp, [0, 0])
-        tenant = self._charged.get(fp) or self._charge_to(fp)
-        held[0] += entries
-        held[1] += nbytes
-        usage = self.usage[tenant]
-        usage.entries += entries
-        usage.used_bytes += nbytes
-        if held == [0, 0]:  # nothing of it held: forget it, so the maps stay bounded by what the tier holds
-            del self._ns[fp]
-            self._charged.pop(fp, None)
-            self._salts.pop(fp, None)
-
     def refresh(self) -> None:
         """Move namespaces counted to `*` because they were not registered to their tenant, if they are now."""
         if not self.active:
@@ -123,17 +128,48 @@ class FsTenants:
         for fp in [fp for fp, t in self._charged.items() if t == DEFAULT_TENANT and fp not in self._salts]:
             tenant = self._resolve(fp, remember=True)
             if tenant != DEFAULT_TENANT:
-                entries, nbytes = self._ns[fp]
-                old, new = self.usage[DEFAULT_TENANT], self.usage[tenant]
-                old.entries -= entries
-                old.used_bytes -= nbytes
-                new.entries += entries
-                new.used_bytes += nbytes
+                held, old, new = self._ns[fp], self.usage[DEFAULT_TENANT], self.usage[tenant]
+                old.entries -= held.entries
+                old.used_bytes -= held.nbytes
+                new.entries += held.entries
+                new.used_bytes += held.nbytes
                 self._charged[fp] = tenant
 
-    def evicted(self, meta: ChunkMeta, reason: str) -> None:
-        """Count a removal of `meta`'s chunk (before `charge` takes it out)."""
-        self.usage[self.tenant(meta.ns)].evictions[reason] += 1
+    # -- accounting ------------------------------------------------------------------------------
+
+    def reserve(self, fp: bytes, nbytes: int) -> None:
+        """Count the bytes of a write of namespace `fp` in flight (negative: it failed or was dropped)."""
+        self._account(fp, 0, nbytes)
+
+    def add(self, meta: ChunkMeta, reserved: bool = False) -> None:
+        """Count an indexed file (its bytes already, if a put `reserved` them)."""
+        held = self._account(meta.ns, 1, 0 if reserved else meta.file_bytes)
+        self._seq += 1
+        held.order[meta.key] = (self._seq, meta)
+
+    def drop(self, meta: ChunkMeta, reason: str | None = None) -> None:
+        """Count a file the tier forgot; `reason` counts it as its tenant's eviction."""
+        if reason is not None:
+            self.usage[self.tenant(meta.ns)].evictions[reason] += 1
+        held = self._ns.get(meta.ns)
+        if held is not None:
+            held.order.pop(meta.key, None)
+        self._account(meta.ns, -1, -meta.file_bytes)
+
+    def _account(self, fp: bytes, entries: int, nbytes: int) -> _Held:
+        held = self._ns.get(fp)
+        if held is None:
+            held = self._ns[fp] = _Held()
+        usage = self.usage[self._charged.get(fp) or self._charge_to(fp)]
+        held.entries += entries
+        held.nbytes += nbytes
+        usage.entries += entries
+        usage.used_bytes += nbytes
+        if not held.entries and not held.nbytes:  # nothing of it held: forget it (the maps stay bounded)
+            del self._ns[fp]
+            self._charged.pop(fp, None)
+            self._salts.pop(fp, None)
+        return held
 
     def refuse(self, tenant: str, reason: str) -> None:
         self.usage[tenant].refused[reason] += 1
@@ -144,52 +180,85 @@ class FsTenants:
         """Whether `need` more bytes would take `tenant` over its maximum."""
         return self.usage[tenant].used_bytes + need > self.limits[tenant].maximum
 
-    def may_displace(self, writer: str, victim: ChunkMeta) -> bool:
-        """Whether a put of tenant `writer` may evict `victim`: its own chunk always, another tenant's only
-        if that tenant stays at or over its guarantee."""
-        owner = self.tenant(victim.ns)
-        if owner == writer:
-            return True
-        return self.usage[owner].used_bytes - victim.file_bytes >= self.limits[owner].guaranteed
+    def may_displace(self, writer: str) -> Allowed:
+        """Which chunks a put of tenant `writer` may evict: its own always, another tenant's only if that
+        tenant stays at or over its guarantee."""
+        def allowed(victim: ChunkMeta) -> bool:
+            owner = self.tenant(victim.ns)
+            return owner == writer or self.usage[owner].used_bytes - victim.file_bytes >= self.limits[owner].guaranteed
+        return allowed
 
-    def make_room(self, meta: ChunkMeta, need: int, index: Mapping[bytes, ChunkMeta], evict: Evict,
-                  full: Callable[[], bool]) -> str | None:
-        """Evict (`evict(reason, allowed)`: the policy's next victim among the keys `allowed`, False if none)
-        for a put of `meta`, `need` bytes, until the tier is no longer `full`: None when the put may go ahead,
-        else the refusal reason (counted by the caller)."""
+    def own(self, tenant: str) -> Allowed:
+        return lambda victim: self.tenant(victim.ns) == tenant
+
+    def make_room(self, meta: ChunkMeta, need: int, evict: Evict, full: Callable[[], bool]) -> str | None:
+        """Evict (`evict(reason, allowed)`) for a put of `meta`, `need` bytes, until the tier is no longer
+        `full`: None when the put may go ahead, else the refusal reason (counted by the caller)."""
         self.refresh()
         writer = self.tenant(meta.ns)
-        if need > self.limits[writer].maximum:
+        maximum = self.limits[writer].maximum
+        if need > maximum:
             return TENANT_MAX
-        own = self._owned_by(writer, index)
-        while self.limits[writer].maximum < self.capacity and self.over_maximum(writer, need):
-            if not evict(QUOTA, own):  # a maximum of the whole tier is the capacity rule's
-                return TENANT_MAX
-
-        def allowed(key: bytes) -> bool:
-            victim = index.get(key)
-            return victim is not None and self.may_displace(writer, victim)
-
+        if maximum < self.capacity:  # a maximum of the whole tier is the capacity rule's
+            own = self.own(writer)
+            while self.over_maximum(writer, need):
+                if not evict(QUOTA, own):
+                    return TENANT_MAX
+        allowed = self.may_displace(writer)
         while full():
-            if not evict("capacity", allowed):
-                return TENANT_GUARANTEE if index else None  # none indexed: only writes in flight
+            if not evict("capacity", allowed):  # none indexed: only writes in flight hold the room
+                return TENANT_GUARANTEE if any(h.entries for h in self._ns.values()) else None
         return None
 
-    def shed(self, index: Mapping[bytes, ChunkMeta], evict: Evict) -> int:
+    def shed(self, evict: Evict) -> int:
         """Evict (reason "quota") each tenant's own chunks, in the policy's order, while it is over its
         maximum: the chunks removed."""
         removed = 0
         for tenant in [name for name, u in self.usage.items() if u.used_bytes > self.limits[name].maximum]:
-            own = self._owned_by(tenant, index)
+            own = self.own(tenant)
             while self.over_maximum(tenant, 0) and evict(QUOTA, own):
                 removed += 1
         return removed
 
-    def _owned_by(self, tenant: str, index: Mapping[bytes, ChunkMeta]) -> Callable[[bytes], bool]:
-        def own(key: bytes) -> bool:
-            victim = index.get(key)
-            return victim is not None and self.tenant(victim.ns) == tenant
-        return own
+    # -- victims ---------------------------------------------------------------------------------
+
+    def victim(self, policy: EvictionPolicy, index: Mapping[bytes, ChunkMeta], allowed: Allowed) -> bytes | None:
+        """The policy's next victim among the chunks `allowed` names; when its walk passes more than
+        WALK_BOUND others (a guaranteed tenant's cold chunks at the front of the order), the fallback's."""
+        passed = 0
+
+        def evictable(key: bytes) -> bool:
+            nonlocal passed
+            meta = index.get(key)
+            if meta is None:
+                return False
+            if allowed(meta):
+                return True
+            passed += 1
+            if passed > WALK_BOUND:
+                raise Bounded
+            return False
+
+        try:
+            return policy.pick_victim(evictable)
+        except Bounded:
+            return self._fallback(allowed)
+
+    def _fallback(self, allowed: Allowed) -> bytes | None:
+        """The oldest indexed chunk (in the order files were indexed) of the tenant furthest over its
+        guarantee whose oldest chunk is allowed."""
+        oldest: dict[str, tuple[int, ChunkMeta]] = {}
+        for fp, held in self._ns.items():
+            if held.order:
+                first = next(iter(held.order.values()))
+                tenant = self._charged[fp]
+                if tenant not in oldest or first[0] < oldest[tenant][0]:
+                    oldest[tenant] = first
+        for tenant in sorted(oldest, key=lambda t: self.usage[t].used_bytes - self.limits[t].guaranteed,
+                             reverse=True):
+            if allowed(oldest[tenant][1]):
+                return oldest[tenant][1].key
+        return None
 
     def rows(self) -> list[dict]:
         """Per tenant, for /status (the tier's `l2_tenants`)."""

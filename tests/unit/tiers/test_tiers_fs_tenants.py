@@ -11,6 +11,7 @@ from kvtier.server.keys import Namespace, digest
 from kvtier.server.metrics import Metrics
 from kvtier.server.tenants import QuotaTable
 from kvtier.server.tiers.fs import FsOptions, FsTier, make_tier
+from kvtier.server.tiers.fs_tenants import WALK_BOUND
 from kvtier.server.tiers.record import ChunkMeta
 from prometheus_client import generate_latest
 
@@ -105,6 +106,28 @@ def test_a_tenant_over_its_guarantee_is_displaced_down_to_it_then_stores_are_ref
     assert all(fill(full, B, 4, 1)) and held(full, B, 0, 5) == [False, True, True, True, True]  # B's own
 
 
+def test_a_victim_search_passes_at_most_walk_bound_chunks_then_takes_the_oldest_allowed_file(tmp_path):
+    n = WALK_BOUND + 4
+    tier = tier_of(tmp_path, 2 * n, "B=50%")
+    assert all(fill(tier, B, 0, n))  # at its guarantee, at the front of the LRU order
+    assert all(fill(tier, A, 0, n))  # the tier is full
+    looked: list[ChunkMeta] = []
+
+    def allowed(victim: ChunkMeta) -> bool:
+        looked.append(victim)
+        return victim.ns == A
+
+    index = {m.key: m for m in (*[meta(B, i) for i in range(n)], *[meta(A, i) for i in range(n)])}
+    assert tier.tenants.victim(tier.policy, index, allowed) == meta(A, 0).key
+    assert len(looked) <= WALK_BOUND + 2  # the bounded walk, then the fallback's one look
+    assert tier.get(meta(A, 0), [memoryview(bytearray(SIZE))])  # a read: A's oldest is no longer LRU's first
+    assert all(fill(tier, A, n, 2)) and all(held(tier, B, 0, n))
+    # past the bound the victim is the oldest file indexed, read or not (the policy would have kept it)
+    assert held(tier, A, 0, 3) == [False, False, True]
+    assert tier.set_quotas(QuotaTable.parse("A=0:25%,B=50%"))["evicted_entries"] == n - n // 2
+    assert all(held(tier, B, 0, n)) and rows(tier)["A"]["used_bytes"] <= n // 2 * FILE
+
+
 def test_an_unregistered_namespace_counts_to_the_default_tenant_until_registered(tmp_path):
     known: dict[bytes, Namespace] = {}
     tier = FsTier(str(tmp_path), 8 * FILE, tenant_quotas=QuotaTable.parse("B=25%"))
@@ -128,7 +151,7 @@ def test_set_quotas_acts_at_once_and_a_bad_table_changes_nothing(tmp_path):
     tier = tier_of(tmp_path, 8, None)
     assert all(fill(tier, A, 0, 4)) and all(fill(tier, B, 0, 2))
     out = tier.set_quotas(QuotaTable.parse("A=0:25%,B=10%"))
-    assert out == {"table": "A=0:25%,B=10%", "shed_entries": 2, "shed_bytes": 2 * FILE}
+    assert out == {"table": "A=0:25%,B=10%", "evicted_entries": 2, "evicted_bytes": 2 * FILE}
     assert held(tier, A, 0, 4) == [False, False, True, True]  # the oldest of A's, in the policy's order
     r = rows(tier)
     assert r["A"]["evictions"] == {"quota": 2} and r["B"]["guaranteed_bytes"] == int(0.1 * 8 * FILE)
