@@ -13,6 +13,7 @@ MAX_TOKENS = 1 << 20
 # The most token ids one /cache/lookup may carry (a 413 beyond): its key chain is hashed on the serving loop.
 MAX_LOOKUP_TOKENS = 1 << 17
 LOG_LEVELS = ("debug", "info", "warning", "error")
+MAX_TABLE_TEXT = 65 * 300  # a quota table: at most MAX_TENANTS names and `*`, each NAME=GUARANTEED:MAXIMUM
 
 HexKey = Annotated[str, StringConstraints(pattern=r"^[0-9a-fA-F]{32}$")]
 TierName = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]  # l1, l2, remote, a plug-in's
@@ -85,12 +86,15 @@ class ReconfigureRequest(BaseModel):
     l1_size_gb: float | None = Field(None, gt=0, le=1 << 20, allow_inf_nan=False, description="same, in GiB")
     release_memory: bool = Field(True, description="on a shrink, return free pages' memory to the OS")
     log_level: Literal[LOG_LEVELS] | None = None
+    l2_tenant_quotas: str | None = Field(None, max_length=MAX_TABLE_TEXT, description="the L2 tenant quota table "
+                                         "(NAME=GUARANTEED[:MAXIMUM],...; empty: none; docs/l2.md, Tenants)")
 
     @model_validator(mode="after")
     def _something(self) -> ReconfigureRequest:
         if self.l1_size_bytes is not None and self.l1_size_gb is not None:
             raise ValueError("give l1_size_bytes or l1_size_gb, not both")
         if self.eviction_policy is None and self.log_level is None and self.l1_size_bytes is None \
-                and self.l1_size_gb is None:
-            raise ValueError("nothing to change: give eviction_policy, l1_size_bytes/l1_size_gb or log_level")
+                and self.l1_size_gb is None and self.l2_tenant_quotas is None:
+            raise ValueError("nothing to change: give eviction_policy, l1_size_bytes/l1_size_gb, log_level or "
+                             "l2_tenant_quotas")
         return self

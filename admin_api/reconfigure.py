@@ -1,6 +1,6 @@
-"""POST /reconfigure (token required): live changes to the L1 size, the eviction policy and the log level;
-and `release_free_memory`, which gives the memory of free L1 pages back to the OS after a shrink (refused
-while a GPU copier holds L1 page-locked: server/pinning.py)."""
+"""POST /reconfigure (token required): live changes to the L1 size, the eviction policy, the L2 tenant quota table
+and the log level; and `release_free_memory`, which gives the memory of free L1 pages back to the OS after a
+shrink (refused while a GPU copier holds L1 page-locked: server/pinning.py)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,8 @@ async def reconfigure(body: ReconfigureRequest, cache: CacheDep, daemon: DaemonD
         out["l1"] = resize_l1(cache, daemon, size, body.release_memory)
     if body.eviction_policy is not None and body.eviction_policy != cache.store.policy.name:
         out["eviction_policy"] = set_policy(cache, daemon, body.eviction_policy)
+    if body.l2_tenant_quotas is not None:
+        out["l2_tenant_quotas"] = set_l2_quotas(daemon, body.l2_tenant_quotas)
     if body.log_level is not None:
         level = body.log_level.upper()
         logging.getLogger().setLevel(level)
@@ -75,6 +77,20 @@ def set_policy(cache: Cache, daemon: Daemon, name: str) -> dict:
     daemon.config.eviction_policy = name
     log.info("admin: eviction policy %s -> %s (%d entries)", old, name, moved)
     return {"old": old, "new": name, "entries": moved}
+
+
+def set_l2_quotas(daemon: Daemon, text: str) -> dict:
+    """Apply the L2 tenant quota table at once (a tenant over its new maximum sheds) and keep it for a warm
+    restart (server/tenant_tables.py)."""
+    if "l2" not in daemon.tables.appliers:
+        raise HTTPException(409, "l2_tenant_quotas: the server has no L2 tier (--l2-path)")
+    try:
+        result = daemon.tables.apply("l2", text)
+    except ValueError as exc:
+        raise HTTPException(422, f"l2_tenant_quotas: {exc}") from None
+    log.info("admin: L2 tenant quotas set to %r (%d chunks evicted)", result["table"] or "none",
+             result["evicted_entries"])
+    return result
 
 
 def release_free_memory(daemon: Daemon) -> int:

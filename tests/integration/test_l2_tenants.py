@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import signal
+import urllib.error
 import urllib.request
 
 import pytest
@@ -96,3 +97,50 @@ def test_a_flood_leaves_the_guaranteed_tenants_chunks_on_disk(kvtier_server, tmp
     rows = tenants(http)
     assert rows["B"]["entries"] == 8 and rows["*"]["entries"] == L2_BYTES // FILE - 8
     b.close()
+
+
+def post(port: int, path: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_a_table_set_through_reconfigure_acts_at_once_and_survives_a_warm_restart(kvtier_server, tmp_path):
+    l2, http = tmp_path / "l2", free_port()
+    srv = kvtier_server(l1_gb=0.0625, extra=["--l2-path", str(l2), "--l2-size-gb", str(L2_BYTES / (1 << 30)),
+                                             "--http-port", str(http)])
+    noisy = [prompt(300 + i, CHUNKS * NS.chunk_size) for i in range(5)]
+    quiet = [prompt(400 + i, CHUNKS * NS.chunk_size) for i in range(2)]
+    a, b = client(srv.url), client(srv.url)
+    store(a, NS_A, noisy[:4])
+    store(b, NS_B, quiet)
+    assert on_disk(l2, NS_A, noisy) == 16 and on_disk(l2, NS_B, quiet) == 8
+    status, reply = post(http, "/reconfigure", {"l2_tenant_quotas": "A=0:25%"})
+    most = L2_BYTES // 4 // FILE  # A's maximum, in files
+    assert status == 200 and reply["l2_tenant_quotas"] == {"table": "A=0:25%", "evicted_entries": 16 - most,
+                                                           "evicted_bytes": (16 - most) * FILE}, reply
+    assert on_disk(l2, NS_A, noisy) == most and on_disk(l2, NS_B, quiet) == 8  # at once, A's own only
+    for bad in ("A=9GiB", "A=0:25%,A=1%", "no table"):
+        status, reply = post(http, "/reconfigure", {"l2_tenant_quotas": bad})
+        assert status == 422 and "l2_tenant_quotas" in json.dumps(reply), (bad, reply)
+    store(a, NS_A, noisy[4:])  # A at its maximum makes room from its own chunks
+    assert on_disk(l2, NS_A, noisy) == most and on_disk(l2, NS_B, quiet) == 8
+    [tier] = [t for t in json.loads(get(http, "/status"))["tiers"] if t["name"] == "l2"]
+    assert tier["l2_tenant_quotas"] == "A=0:25%"
+    assert {r["tenant"]: r["evictions"] for r in tier["l2_tenants"]}["A"] == {"quota": 16 - most + CHUNKS}
+    a.close()
+    b.close()
+
+    srv.signal(signal.SIGTERM)  # a clean stop keeps the segment (--l1-adopt) and the tables beside it
+    assert srv.proc.wait(timeout=30) == 0, srv.log_text()
+    srv.start()
+    [tier] = [t for t in json.loads(get(http, "/status"))["tiers"] if t["name"] == "l2"]
+    assert tier["l2_tenant_quotas"] == "A=0:25%", tier
+    assert "tenant quota tables: kept from the last run" in srv.log_text()
+    status, reply = post(http, "/reconfigure", {"l2_tenant_quotas": ""})
+    assert status == 200 and reply["l2_tenant_quotas"]["table"] == ""
+    assert [r["tenant"] for r in json.loads(get(http, "/status"))["tiers"][0]["l2_tenants"]] == ["*"]
