@@ -18,6 +18,8 @@ def l1_status(cache: Cache) -> dict:
         "page_size": ps,
         "entries": len(store.entries),
         "pinned_bytes": store.pinned_pages * ps,
+        "kept_bytes": store.kept_pages * ps,
+        "sessions": len(holds.retention.sessions),
         "evictable_bytes": store.evictable_pages * ps,
         "held_bytes": store.held_pages() * ps,
         "reserved_bytes": holds.reserved_pages() * ps,

@@ -402,3 +402,4 @@ class L1Store:
         m.l1_used.set(self.pool.used_pages * ps)
         m.entries.labels(L1).set(len(self.entries))
         m.pinned_bytes.set(self.pinned_pages * ps)
+        m.kept_bytes.set(self.kept_pages * ps)
