@@ -1,6 +1,6 @@
-"""POST /reconfigure (token required): live changes to the L1 size, the eviction policy and the log level;
-and `release_free_memory`, which gives the memory of free L1 pages back to the OS after a shrink (refused
-while a GPU copier holds L1 page-locked: server/pinning.py)."""
+"""POST /reconfigure (token required): live changes to the L1 size, the eviction policy, the L1 tenant quota
+table and the log level; and `release_free_memory`, which gives the memory of free L1 pages back to the OS
+after a shrink (refused while a GPU copier holds L1 page-locked: server/pinning.py)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from kvtier.server.daemon import Daemon
 from kvtier.server.eviction import make_policy
 from kvtier.server.l1.store import ResizeRefused
 from kvtier.server.pinning import lockers
+from kvtier.server.tenants import QuotaTable
 from kvtier.shm.pages import extent_byte_ranges
 
 log = logging.getLogger("kvtier.admin")
@@ -23,12 +24,17 @@ log = logging.getLogger("kvtier.admin")
 router = APIRouter()
 
 
-@router.post("/reconfigure", dependencies=[Depends(authorized)], summary="eviction policy, L1 size, log level")
+@router.post("/reconfigure", dependencies=[Depends(authorized)],
+             summary="eviction policy, L1 size, L1 tenant quotas, log level")
 async def reconfigure(body: ReconfigureRequest, cache: CacheDep, daemon: DaemonDep) -> dict:
     out: dict[str, Any] = {}
     size = body.l1_size_bytes if body.l1_size_gb is None else int(body.l1_size_gb * (1 << 30))
+    # A bad table is refused before anything changes (a size in the same body included).
+    quotas = None if body.tenant_quotas is None else quota_table(cache, body.tenant_quotas, size)
     if size is not None:
         out["l1"] = resize_l1(cache, daemon, size, body.release_memory)
+    if body.tenant_quotas is not None:
+        out["tenant_quotas"] = set_quotas(cache, daemon, quotas)
     if body.eviction_policy is not None and body.eviction_policy != cache.store.policy.name:
         out["eviction_policy"] = set_policy(cache, daemon, body.eviction_policy)
     if body.log_level is not None:
@@ -65,6 +71,31 @@ def resize_l1(cache: Cache, daemon: Daemon, size: int, release_memory: bool) -> 
     log.info("admin: L1 resized to %d bytes (%d chunks evicted)", result["capacity_bytes"],
              result["evicted_entries"])
     return result
+
+
+def quota_table(cache: Cache, text: str, size: int | None) -> QuotaTable | None:
+    """The table `text` names (None: no table), checked against the L1 budget it will apply to; 422 if bad."""
+    pool = cache.store.pool
+    capacity = pool.num_pages * pool.page_size if size is None else size // pool.page_size * pool.page_size
+    try:
+        table = QuotaTable.parse(text)
+        table.limits(capacity)
+    except ValueError as exc:
+        raise HTTPException(422, f"tenant_quotas: {exc}") from None
+    return table if table.quotas else None
+
+
+def set_quotas(cache: Cache, daemon: Daemon, table: QuotaTable | None) -> dict:
+    """Apply the L1 quota table now (a tenant over its new maximum sheds at once) and keep the daemon's config
+    in step, so that a warm restart starts with it."""
+    try:
+        result = cache.store.set_quotas(table)
+    except ValueError as exc:
+        raise HTTPException(422, f"tenant_quotas: {exc}") from None
+    text = table.text() if table is not None else ""
+    daemon.config.l1_tenant_quotas = text
+    log.info("admin: L1 tenant quotas set to %r", text or "none")
+    return {"table": text, **result}
 
 
 def set_policy(cache: Cache, daemon: Daemon, name: str) -> dict:
