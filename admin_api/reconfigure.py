@@ -16,6 +16,7 @@ from kvtier.server.daemon import Daemon
 from kvtier.server.eviction import make_policy
 from kvtier.server.l1 import reconfig
 from kvtier.server.l1.store import ResizeRefused
+from kvtier.server.metrics import L1
 from kvtier.server.pinning import lockers
 from kvtier.server.tenants import QuotaTable
 from kvtier.shm.pages import extent_byte_ranges
@@ -30,12 +31,11 @@ router = APIRouter()
 async def reconfigure(body: ReconfigureRequest, cache: CacheDep, daemon: DaemonDep) -> dict:
     out: dict[str, Any] = {}
     size = body.l1_size_bytes if body.l1_size_gb is None else int(body.l1_size_gb * (1 << 30))
-    # A bad table is refused before anything changes (a size in the same body included).
-    quotas = None if body.tenant_quotas is None else quota_table(cache, body.tenant_quotas, size)
+    check_quotas(cache, body.tenant_quotas, size)
     if size is not None:
         out["l1"] = resize_l1(cache, daemon, size, body.release_memory)
     if body.tenant_quotas is not None:
-        out["tenant_quotas"] = set_quotas(cache, daemon, quotas)
+        out["tenant_quotas"] = set_quotas(daemon, body.tenant_quotas)
     if body.eviction_policy is not None and body.eviction_policy != cache.store.policy.name:
         out["eviction_policy"] = set_policy(cache, daemon, body.eviction_policy)
     if body.log_level is not None:
@@ -74,29 +74,38 @@ def resize_l1(cache: Cache, daemon: Daemon, size: int, release_memory: bool) -> 
     return result
 
 
-def quota_table(cache: Cache, text: str, size: int | None) -> QuotaTable | None:
-    """The table `text` names (None: no table), checked against the L1 budget it will apply to; 422 if bad."""
+def check_quotas(cache: Cache, text: str | None, size: int | None) -> None:
+    """Refuse, before anything changes, a bad table (422) and a table whose guarantees would not fit the L1
+    budget after this request: the new table against the new size (422), the table in force against a
+    shrink (409)."""
     pool = cache.store.pool
     capacity = pool.num_pages * pool.page_size if size is None else size // pool.page_size * pool.page_size
     try:
-        table = QuotaTable.parse(text)
+        table = QuotaTable.parse(text) if text is not None else cache.store.tenants.table
+    except ValueError as exc:
+        raise HTTPException(422, f"tenant_quotas: {exc}") from None
+    if table is None or (text is None and size is None):
+        return
+    try:
         table.limits(capacity)
     except ValueError as exc:
-        raise HTTPException(422, f"tenant_quotas: {exc}") from None
-    return table if table.quotas else None
+        if text is not None:
+            raise HTTPException(422, f"tenant_quotas: {exc}") from None
+        raise HTTPException(409, f"L1 size {capacity} is too small for the tenant quota table in force "
+                                 f"({table.text()}): {exc}; change the table first (tenant_quotas)") from None
 
 
-def set_quotas(cache: Cache, daemon: Daemon, table: QuotaTable | None) -> dict:
-    """Apply the L1 quota table now (a tenant over its new maximum sheds at once) and keep the daemon's config
-    in step, so that a warm restart starts with it."""
+def set_quotas(daemon: Daemon, text: str) -> dict:
+    """Apply the L1 quota table now (a tenant over its new maximum sheds at once), keep it for a warm restart
+    (server/tenant_tables.py) and keep the daemon's config in step."""
     try:
-        result = cache.store.set_quotas(table)
+        result = daemon.tables.apply(L1, text)
     except ValueError as exc:
         raise HTTPException(422, f"tenant_quotas: {exc}") from None
-    text = table.text() if table is not None else ""
-    daemon.config.l1_tenant_quotas = text
-    log.info("admin: L1 tenant quotas set to %r", text or "none")
-    return {"table": text, **result}
+    daemon.config.l1_tenant_quotas = result["table"]
+    log.info("admin: L1 tenant quotas set to %r (%d chunks shed)", result["table"] or "none",
+             result["evicted_entries"])
+    return result
 
 
 def set_policy(cache: Cache, daemon: Daemon, name: str) -> dict:
