@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.server.eviction import DEFAULT_POLICY, POLICIES
+from kvtier.server.tenants import DEFAULT_TENANT, MAX_TENANTS, QuotaTable
 from kvtier.server.tiers.fs import FsOptions
+from kvtier.server.tiers.remote.layout import tenant_base
 from kvtier.server.tiers.remote.options import READ_FROM, RemoteAccess, RemoteOptions, parse_remote_url
 from kvtier.shm.segment import tmpfs_options
 
@@ -44,6 +46,8 @@ class ServerConfig:
                                 "the segment and its journal (docs/warm-restart.md)")
     l1_discard: bool = _opt(False, "start with an empty L1 this time even if the old one could be adopted (its "
                                    "segment is removed and its memory freed)")
+    l1_tenant_quotas: str = _opt("", "per-tenant L1 quotas: NAME=GUARANTEED[:MAXIMUM],... in bytes or % of L1 "
+                                     "(docs/tenants.md)")
     shm_dir: str = _opt("/dev/shm", "tmpfs directory of the L1 segment; a tmpfs mounted with huge=within_size "
                                     "gives L1 huge pages (docs/operations.md)")
     shm_name: str = _opt("", "shared-memory segment name in --shm-dir (default kvtier-<port>)")
@@ -86,6 +90,9 @@ class ServerConfig:
                                  choices=list(READ_FROM))
     remote_az: str = _opt("", "this node's availability zone, for --remote-read-from az_affinity (replicas in "
                               "this zone first)")
+    remote_tenants: str = _opt("", "tenants (comma-separated) whose remote keys get their own prefix "
+                                   "<prefix>:t:<tenant> without a quota; those the tenant quota tables name get "
+                                   "one too (docs/remote.md, \"Tenants\")")
     extra_tiers: str = _opt("", "lower tiers after L2 and the remote tier, comma-separated: module:factory or "
                                 "module:factory=ARG, each a factory(ARG, metrics) -> LowerTier (docs/architecture.md, "
                                 "\"Adding a tier\"; empty: none)")
@@ -183,6 +190,17 @@ class ServerConfig:
         if self.remote_breaker_threshold < 1 or self.remote_breaker_reset_s <= 0:
             raise ValueError("--remote-breaker-threshold must be at least 1 and --remote-breaker-reset-s positive")
         self.remote_access.validate(parse_remote_url(self.remote_url))
+        for name in self.remote_tenant_names():
+            tenant_base(self.remote_prefix, name)  # ValueError for a name that cannot be a key base
+
+    def remote_tenant_names(self) -> tuple[str, ...]:
+        """The tenants whose remote keys have their own base: those the quota tables name, then
+        --remote-tenants' (the default tenant `*` excluded); ValueError for a bad table or name."""
+        names = [*QuotaTable.parse(self.l1_tenant_quotas).names]
+        extra = [n.strip() for n in self.remote_tenants.split(",") if n.strip()]
+        if len(extra) > MAX_TENANTS:
+            raise ValueError(f"--remote-tenants: at most {MAX_TENANTS} tenants")
+        return tuple(n for n in dict.fromkeys([*names, *extra]) if n != DEFAULT_TENANT)
 
     @property
     def remote_access(self) -> RemoteAccess:
@@ -197,7 +215,8 @@ class ServerConfig:
         """The remote tier's options (server/tiers/remote/options.py), from the --remote-* flags."""
         return RemoteOptions(self.remote_url, self.remote_prefix, self.remote_ttl_s, self.remote_timeout_ms,
                              self.remote_connect_timeout_ms, self.remote_breaker_threshold,
-                             self.remote_breaker_reset_s, self.remote_queue_depth, self.remote_access)
+                             self.remote_breaker_reset_s, self.remote_queue_depth, self.remote_access,
+                             self.remote_tenant_names())
 
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -215,10 +234,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file with any of the keys below (underscored names)")
     for f in dataclasses.fields(ServerConfig):
         kind = type(f.default)
+        text = f.metadata["help"].replace("%", "%%")  # argparse %-formats help ("30% of L1")
         if kind is bool:
             parser.add_argument(
                 flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                help=f"{f.metadata['help']} (env {env_name(f.name)}=0/1, default {f.default!r})",
+                help=f"{text} (env {env_name(f.name)}=0/1, default {f.default!r})",
             )
             continue
         parser.add_argument(
@@ -227,7 +247,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=kind,
             default=None,
             choices=f.metadata.get("choices"),
-            help=f"{f.metadata['help']} (env {env_name(f.name)}, default {f.default!r})",
+            help=f"{text} (env {env_name(f.name)}, default {f.default!r})",
         )
 
 

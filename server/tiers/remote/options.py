@@ -5,6 +5,7 @@ with (server/config.py fills it from its --remote-* flags). Nothing of glide: co
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote
@@ -118,3 +119,6 @@ class RemoteOptions:
     breaker_reset_s: float = 5.0
     queue_depth: int = 256
     access: RemoteAccess = field(default_factory=lambda: RemoteAccess())
+    tenants: tuple[str, ...] = ()  # tenants whose keys live under <prefix>:t:<tenant> (tenancy.py)
+    # a registered namespace's cache salt by fingerprint (None: not registered): set by tier_setup.py
+    salt_of: Callable[[bytes], str | None] | None = field(default=None, compare=False, repr=False)
