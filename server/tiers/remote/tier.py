@@ -26,7 +26,7 @@ from kvtier.server.tiers.remote.layout import PART_BYTES, key_name, part_key_nam
 from kvtier.server.tiers.remote.lookups import Lookups
 from kvtier.server.tiers.remote.maintenance import Maintenance
 from kvtier.server.tiers.remote.metrics import RemoteMetrics
-from kvtier.server.tiers.remote.nodes import TLS_HINT, Nodes, Unavailable, full, node_failure
+from kvtier.server.tiers.remote.nodes import TLS_HINT, Nodes, Unavailable, denied, full, node_failure
 from kvtier.server.tiers.remote.options import RemoteAccess, RemoteOptions, RemoteUrl, parse_remote_url
 from kvtier.server.tiers.remote.reads import Reads
 from kvtier.server.tiers.remote.tenancy import Tenancy
@@ -195,23 +195,27 @@ class RemoteTier(Nodes, Writes, Reads, Lookups, Maintenance, LowerTier):
         self._warn_unbounded()
         tag = os.urandom(16)
         node, client = self._node_of(tag), self._client(primary=True)  # its GET follows its SET at once
-        probe_key = f"{self.tenancy.bases()[0]}:probe:{{{tag.hex()}}}"  # a named tenant's: its user may write it
         data, back = os.urandom(PART_BYTES), memoryview(bytearray(PART_BYTES))
-        try:
-            t0 = time.perf_counter()
-            self._call(node, "put", lambda: client.set(probe_key, data, expiry=glide.ExpirySet(
-                glide.ExpiryType.MILLSEC, 60_000)))
-            t1 = time.perf_counter()
-            self._call(node, "get", lambda: client.get(probe_key, buffer=back))
-            t2 = time.perf_counter()
-            self._call(node, "put", lambda: client.unlink([probe_key]))
-        except (Unavailable, glide.RequestError) as exc:
-            if full(exc):  # it answered: full (logged), writes pause
-                self._filled(node)
+        for base in self.tenancy.bases():  # the first base this user may write (an ACL limited to a tenant's)
+            probe_key = f"{base}:probe:{{{tag.hex()}}}"
+            try:
+                t0 = time.perf_counter()
+                self._call(node, "put", lambda k=probe_key: client.set(k, data, expiry=glide.ExpirySet(
+                    glide.ExpiryType.MILLSEC, 60_000)))
+                t1 = time.perf_counter()
+                self._call(node, "get", lambda k=probe_key: client.get(k, buffer=back))
+                t2 = time.perf_counter()
+                self._call(node, "put", lambda k=probe_key: client.unlink([k]))
+                break
+            except (Unavailable, glide.RequestError) as exc:
+                if denied(exc) and base != self.tenancy.prefix:
+                    continue  # not this tenant's user: the next base
+                if full(exc):  # it answered: full (logged), writes pause
+                    self._filled(node)
+                    return 0
+                log.warning("remote store %s did not answer at start-up (%s): lookups miss and writes drop until "
+                            "it does%s", self.path, str(exc).strip() or "unavailable", TLS_HINT if self.url.tls else "")
                 return 0
-            log.warning("remote store %s did not answer at start-up (%s): lookups miss and writes drop until "
-                        "it does%s", self.path, str(exc).strip() or "unavailable", TLS_HINT if self.url.tls else "")
-            return 0
         self._bw.add(PART_BYTES, t0, t1)
         self._bw.add(PART_BYTES, t1, t2)
         log.info("remote store %s: RTT %.2f ms, 1 MiB SET %.0f MB/s, GET %.0f MB/s", self.path, self._rtt * 1e3,
