@@ -14,10 +14,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.server.eviction import DEFAULT_POLICY, POLICIES
-from kvtier.server.tenants import DEFAULT_TENANT, MAX_TENANTS, QuotaTable
 from kvtier.server.tiers.fs import FsOptions
-from kvtier.server.tiers.remote.layout import tenant_base
-from kvtier.server.tiers.remote.options import READ_FROM, RemoteAccess, RemoteOptions, parse_remote_url
+from kvtier.server.tiers.remote.options import (
+    READ_FROM,
+    RemoteAccess,
+    RemoteOptions,
+    parse_remote_url,
+    tenant_names,
+)
 from kvtier.shm.segment import tmpfs_options
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -61,6 +65,8 @@ class ServerConfig:
     l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (aligned buffers; buffered if the filesystem refuses it)")
     l2_queue_depth: int = _opt(1024, "chunks the L2 write-behind queue holds before L2 copies are dropped")
     l2_eviction_policy: str = _opt("lru", "eviction policy of the L2 tier", choices=sorted(POLICIES))
+    l2_tenant_quotas: str = _opt("", "per-tenant L2 quotas, NAME=GUARANTEED[:MAXIMUM],... in bytes or % of "
+                                     "--l2-size-gb (empty: none; docs/l2.md, \"Tenants\")")
     remote_url: str = _opt("", "Redis >= 7 / Valkey >= 8 remote tier shared by nodes: redis://[user:password@]"
                                 "host:port[/db], rediss:// for TLS, redis+cluster://host:port,host:port,... "
                                 "(rediss+cluster:// for TLS) for a Cluster (empty: no remote tier)", secret=True)
@@ -190,17 +196,14 @@ class ServerConfig:
         if self.remote_breaker_threshold < 1 or self.remote_breaker_reset_s <= 0:
             raise ValueError("--remote-breaker-threshold must be at least 1 and --remote-breaker-reset-s positive")
         self.remote_access.validate(parse_remote_url(self.remote_url))
-        for name in self.remote_tenant_names():
-            tenant_base(self.remote_prefix, name)  # ValueError for a name that cannot be a key base
+        self.remote_tenant_names()
 
     def remote_tenant_names(self) -> tuple[str, ...]:
-        """The tenants whose remote keys have their own base: those the quota tables name, then
-        --remote-tenants' (the default tenant `*` excluded); ValueError for a bad table or name."""
-        names = [*QuotaTable.parse(self.l1_tenant_quotas).names]
-        extra = [n.strip() for n in self.remote_tenants.split(",") if n.strip()]
-        if len(extra) > MAX_TENANTS:
-            raise ValueError(f"--remote-tenants: at most {MAX_TENANTS} tenants")
-        return tuple(n for n in dict.fromkeys([*names, *extra]) if n != DEFAULT_TENANT)
+        """The tenants whose remote keys have their own prefix (tiers/remote/tenancy.py): those the quota tables
+        name, then --remote-tenants'; ValueError naming the flag for a bad table or name."""
+        return tenant_names(self.remote_prefix, {"--l1-tenant-quotas": self.l1_tenant_quotas,
+                                                 "--l2-tenant-quotas": self.l2_tenant_quotas},
+                            self.remote_tenants)
 
     @property
     def remote_access(self) -> RemoteAccess:

@@ -8,8 +8,6 @@ does not ship, registered without changing kvtier (tests/integration/fake_tier.p
 
 from __future__ import annotations
 
-import dataclasses
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -18,7 +16,6 @@ from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import L1, Metrics
 from kvtier.server.tiers.attached import AttachedTier
 from kvtier.server.tiers.registry import tier_factory
-from kvtier.server.tiers.remote.options import RemoteOptions
 
 EXTRA_QUEUE_DEPTH = 256  # write-behind queue of a plug-in tier whose options name none
 
@@ -29,7 +26,7 @@ def tier_options(config: ServerConfig) -> list[tuple[str, Any]]:
     if config.l2_path:
         out.append(("l2", config.l2_options()))
     if config.remote_url:
-        out.append(("remote", config.remote_options()))  # its tenants' salts: make_tiers
+        out.append(("remote", config.remote_options()))
     for item in filter(None, (i.strip() for i in config.extra_tiers.split(","))):
         target, _, arg = item.partition("=")
         out.append((target, arg))
@@ -40,17 +37,10 @@ def make_tiers(config: ServerConfig, store: L1Store, segment: np.ndarray, metric
     """The lower tiers of `config`, in lookup order, not opened yet (`AttachedTier.open` scans)."""
     tiers: list[AttachedTier] = []
     for kind, options in tier_options(config):
-        if isinstance(options, RemoteOptions):  # a namespace's tenant, from its salt (tiers/remote/tenancy.py)
-            options = dataclasses.replace(options, salt_of=partial(_salt_of, store))
         tier = tier_factory(kind)(options, metrics)
         if tier.name == L1 or any(t.name == tier.name for t in tiers):
             raise ValueError(f"a lower tier is named {tier.name!r}, the name of another tier")
+        tier.know_namespaces(store.namespaces.get)
         depth = getattr(options, "queue_depth", EXTRA_QUEUE_DEPTH)
         tiers.append(AttachedTier(store, segment, tier, depth, metrics, tier.m))
     return tiers
-
-
-def _salt_of(store: L1Store, fp: bytes) -> str | None:
-    """The cache salt of namespace `fp` registered in `store`; None when it is not (any thread: a dict read)."""
-    namespace = store.namespaces.get(fp)
-    return namespace.cache_salt if namespace is not None else None

@@ -7,7 +7,8 @@ a real Redis 7:
 * an ACL user allowed only `~<prefix>:t:team-a:*` (docs/remote.md's ACL line otherwise): a node as that user
   stores team-a's chunks and another node as that user loads them bit-exact from the store, while team-b's
   and the default tenant's keys are refused by Redis (NOPERM): through the node (lookups miss and writes
-  are dropped, both counted, nothing written) and through a raw client (redis-cli as that user).
+  are dropped, both counted, nothing written) and through a raw client (redis-cli as that user), which
+  still lists their names with SCAN (a documented limit).
 """
 
 from __future__ import annotations
@@ -160,3 +161,5 @@ def test_a_user_limited_to_one_tenant_reaches_its_keys_and_is_refused_the_others
     assert "NOPERM" in cli(user_a, "SET", f"{prefix}:t:team-b:planted", "x")
     assert "NOPERM" in cli(user_a, "SET", f"{prefix}:{NS_DEFAULT.fingerprint().hex()}:planted", "x")
     assert keys(redis_standalone, f"{prefix}:*planted") == []
+    # Not separated (docs/remote.md, "Tenants"): SCAN takes no key, so the user lists B's key names.
+    assert b_header in keys(user_a, f"{prefix}:t:team-b:*")

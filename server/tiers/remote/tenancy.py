@@ -3,8 +3,8 @@ under `<prefix>:t:<tenant>`, every other one under the prefix as before tenants 
 a Redis ACL user can be limited to one tenant's keys (docs/remote.md, "Tenants").
 
 The tier sees namespace fingerprints only; the tenant comes from the namespace's cache salt (tenants.py's
-`tenant_of`), which `salt_of` gives for a namespace registered on this node (tier_setup.py passes the L1
-store's). The names are fixed at start (the configured quota tables and --remote-tenants): a namespace always
+`tenant_of`), of the namespace `lookup` finds registered on this node (the L1 store's, given through the tier's
+`know_namespaces`). The names are fixed at start (the configured quota tables and --remote-tenants): a namespace always
 maps to the same base, and every node with the same names maps it alike."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
+from kvtier.server.keys import Namespace
 from kvtier.server.tenants import DEFAULT_TENANT, tenant_of
 from kvtier.server.tiers.remote.layout import tenant_base
 
@@ -27,11 +28,11 @@ class Tenancy:
     """Fingerprint -> key base. Without tenant names every fingerprint's base is the prefix (no look-up)."""
 
     def __init__(self, prefix: str, names: Collection[str] = (),
-                 salt_of: Callable[[bytes], str | None] | None = None) -> None:
+                 lookup: Callable[[bytes], Namespace | None] | None = None) -> None:
         self.prefix = prefix
         self.names = frozenset(n for n in names if n != DEFAULT_TENANT)
         self._bases = {name: tenant_base(prefix, name) for name in sorted(self.names)}  # checks every name
-        self._salt_of = salt_of
+        self.lookup = lookup  # a registered namespace by fingerprint (None: not registered)
         self._memo: OrderedDict[bytes, str] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -44,10 +45,10 @@ class Tenancy:
             if known is not None:
                 self._memo.move_to_end(fp)
                 return known
-        salt = self._salt_of(fp) if self._salt_of is not None else None
-        if salt is None:
+        namespace = self.lookup(fp) if self.lookup is not None else None
+        if namespace is None:
             raise UnknownNamespace(fp.hex())
-        tenant = tenant_of(salt, self.names)
+        tenant = tenant_of(namespace.cache_salt, self.names)
         with self._lock:
             self._memo[fp] = tenant
             while len(self._memo) > MEMO_MAX:

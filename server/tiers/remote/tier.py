@@ -10,12 +10,13 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import glide_sync as glide
 from kvtier.server.events import Cleared as ClearedEvent
+from kvtier.server.keys import Namespace
 from kvtier.server.metrics import Metrics
 from kvtier.server.tiers.bandwidth import BandwidthMeter
 from kvtier.server.tiers.base import Cleared, LowerTier
@@ -41,7 +42,7 @@ def make_tier(options: RemoteOptions, metrics: Metrics) -> RemoteTier:
     """The registry's factory: the tier `options` describe, counting into `metrics` (kvtier_remote_*)."""
     return RemoteTier(options.url, options.prefix, options.ttl_s, options.timeout_ms, options.breaker_threshold,
                       options.breaker_reset_s, RemoteMetrics(metrics), connect_timeout_ms=options.connect_timeout_ms,
-                      access=options.access, tenancy=Tenancy(options.prefix, options.tenants, options.salt_of))
+                      access=options.access, tenancy=Tenancy(options.prefix, options.tenants))
 
 
 class RemoteTier(Nodes, Writes, Reads, Lookups, Maintenance, LowerTier):
@@ -98,6 +99,10 @@ class RemoteTier(Nodes, Writes, Reads, Lookups, Maintenance, LowerTier):
         self._threads = [threading.Thread(target=self._run_maintenance, name="kvtier-remote-maint", daemon=True)]
         self._threads[0].start()
         self._threads.append(self._prober.thread)
+
+    def know_namespaces(self, lookup: Callable[[bytes], Namespace | None]) -> None:
+        """A namespace's tenant, hence its keys' base, comes from its cache salt (tenancy.py)."""
+        self.tenancy.lookup = lookup
 
     def _gauge_breaker(self, node: str, brk: Breaker) -> None:
         self.m.breaker_open.labels(node).set_function(lambda: float(brk.open))

@@ -23,8 +23,8 @@ def namespace(salt: str) -> Namespace:
                      layout="cpu", chunk_size=64, cache_salt=salt)
 
 
-def salts(*namespaces: Namespace) -> dict[bytes, str]:
-    return {ns.fingerprint(): ns.cache_salt for ns in namespaces}
+def registered(*namespaces: Namespace) -> dict[bytes, Namespace]:
+    return {ns.fingerprint(): ns for ns in namespaces}
 
 
 def acl_allows(pattern: str, key: str) -> bool:
@@ -64,7 +64,7 @@ def test_one_tenant_s_acl_pattern_grants_its_keys_and_no_other_tenant_s():
 def test_a_namespace_s_base_follows_its_salt():
     a, a_request, engine_a, other, plain = (namespace(s) for s in ("team-a", "eng|team-a", "team-a|req-7",
                                                                    "team-c", ""))
-    tenancy = Tenancy(PREFIX, ["team-a", "team-b", "*"], salts(a, a_request, engine_a, other, plain).get)
+    tenancy = Tenancy(PREFIX, ["team-a", "team-b", "*"], registered(a, a_request, engine_a, other, plain).get)
     for ns in (a, a_request, engine_a):
         assert tenancy.tenant(ns.fingerprint()) == "team-a"
         assert tenancy.base(ns.fingerprint()) == f"{PREFIX}:t:team-a"
@@ -74,10 +74,10 @@ def test_a_namespace_s_base_follows_its_salt():
 
 
 def test_without_tenant_names_nothing_is_looked_up():
-    def salt_of(fp: bytes) -> str | None:
+    def lookup(fp: bytes) -> Namespace | None:
         raise AssertionError("looked up")
 
-    tenancy = Tenancy(PREFIX, ["*"], salt_of)
+    tenancy = Tenancy(PREFIX, ["*"], lookup)
     fp = os.urandom(16)
     assert tenancy.base(fp) == PREFIX and tenancy.known(fp)
     assert tenancy.clear_patterns(None) == [f"{PREFIX}:*"]
@@ -86,20 +86,20 @@ def test_without_tenant_names_nothing_is_looked_up():
 
 def test_a_namespace_not_registered_cannot_be_named_and_a_known_one_is_remembered():
     a = namespace("team-a")
-    registered = salts(a)
-    tenancy = Tenancy(PREFIX, ["team-a"], registered.get)
+    known = registered(a)
+    tenancy = Tenancy(PREFIX, ["team-a"], known.get)
     stranger = os.urandom(16)
     assert not tenancy.known(stranger)
     with pytest.raises(UnknownNamespace):
         tenancy.base(stranger)
     assert tenancy.known(a.fingerprint())
-    registered.clear()  # forgotten by L1 after the tier saw it: its keys are still named alike
+    known.clear()  # forgotten by L1 after the tier saw it: its keys are still named alike
     assert tenancy.base(a.fingerprint()) == f"{PREFIX}:t:team-a"
 
 
 def test_clear_patterns_cover_each_tenant_then_everything():
     a, plain = namespace("team-a"), namespace("")
-    tenancy = Tenancy(PREFIX, ["team-b", "team-a"], salts(a, plain).get)
+    tenancy = Tenancy(PREFIX, ["team-b", "team-a"], registered(a, plain).get)
     assert tenancy.clear_patterns(None) == [f"{PREFIX}:t:team-a:*", f"{PREFIX}:t:team-b:*", f"{PREFIX}:*"]
     fa, fp = a.fingerprint(), plain.fingerprint()
     assert tenancy.clear_patterns(fa) == [f"{PREFIX}:t:team-a:{fa.hex()}:*"]
@@ -111,15 +111,19 @@ def test_clear_patterns_cover_each_tenant_then_everything():
 
 def test_the_config_names_the_quota_tables_tenants_and_the_remote_ones():
     config = ServerConfig(remote_url="redis://127.0.0.1:6379", l1_tenant_quotas="a=10%,*=0:50%,b=1GiB",
-                          remote_tenants=" c, a ,*,")
+                          l2_tenant_quotas="d=1GiB,b=5%", remote_tenants=" c, a ,*,")
     config.validate()
-    assert config.remote_tenant_names() == ("a", "b", "c")
-    assert config.remote_options().tenants == ("a", "b", "c")
+    assert config.remote_tenant_names() == ("a", "b", "d", "c")
+    assert config.remote_options().tenants == ("a", "b", "d", "c")
     assert ServerConfig(remote_url="redis://127.0.0.1:6379").remote_options().tenants == ()
 
 
-@pytest.mark.parametrize("flags", [{"remote_tenants": "a:b"}, {"l1_tenant_quotas": "team:x=10%"},
-                                   {"remote_tenants": ",".join(f"t{i}" for i in range(65))}])
-def test_the_config_refuses_tenants_that_cannot_have_a_remote_base(flags):
-    with pytest.raises(ValueError, match="remote|tenants"):
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"remote_tenants": "a:b"}, "--remote-tenants: tenant 'a:b' cannot name remote keys"),
+    ({"l1_tenant_quotas": "team:x=10%"}, "--l1-tenant-quotas: tenant 'team:x' cannot name remote keys"),
+    ({"l2_tenant_quotas": "team:y=1GiB"}, "--l2-tenant-quotas: tenant 'team:y' cannot name remote keys"),
+    ({"remote_tenants": ",".join(f"t{i}" for i in range(65))}, "--remote-tenants: at most 64 tenants")])
+def test_the_config_refuses_tenants_that_cannot_have_a_remote_base(flags, message):
+    with pytest.raises(ValueError, match=message):
         ServerConfig(remote_url="redis://127.0.0.1:6379", **flags).validate()
+    ServerConfig(**flags).validate()  # without a remote tier, no remote key prefix to refuse
