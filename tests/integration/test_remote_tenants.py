@@ -42,10 +42,10 @@ NS_DEFAULT = namespace("team-c")  # a salt no table names: the default tenant
 TOKENS = 2 * 64  # two whole chunks per prompt
 
 
-def node(kvtier_server, url: str, prefix: str, seed: str):  # type: ignore[no-untyped-def]
+def node(kvtier_server, url: str, prefix: str, seed: str, tenants: str = "team-b"):  # type: ignore[no-untyped-def]
     return kvtier_server(l1_gb=0.125, env={"PYTHONHASHSEED": seed}, extra=[
         "--remote-url", url, "--remote-prefix", prefix, "--remote-timeout-ms", "2000",
-        "--l1-tenant-quotas", "team-a=0", "--remote-tenants", "team-b"])
+        "--l1-tenant-quotas", "team-a=0", "--remote-tenants", tenants])
 
 
 def client(url: str) -> KVTierClient:
@@ -118,9 +118,12 @@ def test_a_user_limited_to_one_tenant_reaches_its_keys_and_is_refused_the_others
         redis_standalone, kvtier_server, make_acl_user):  # noqa: F811
     prefix = f"t{uuid.uuid4().hex[:10]}"
     user_a = make_acl_user(redis_standalone, f"tenant-a-{prefix}", keys=(f"{prefix}:t:team-a:*",))
-    admin = client(node(kvtier_server, redis_standalone, prefix, "1").url)  # the default user: every key
-    a1 = client(node(kvtier_server, user_a, prefix, "2").url)
-    a2 = client(node(kvtier_server, user_a, prefix, "3").url)
+    tenants = "aaa,team-b"  # prefixes team-a's user may not write ordered before its own: aaa, team-a, team-b
+    admin = client(node(kvtier_server, redis_standalone, prefix, "1", tenants).url)  # the default user: every key
+    node_a1 = node(kvtier_server, user_a, prefix, "2", tenants)
+    a1, a2 = client(node_a1.url), client(node(kvtier_server, user_a, prefix, "3", tenants).url)
+    # Its start-up probe (a 1 MiB SET and GET) went under the first prefix the user may write.
+    assert "1 MiB SET" in node_a1.log_text() and "did not answer" not in node_a1.log_text()
     b_tokens, d_tokens, a_tokens = prompt(10, TOKENS), prompt(11, TOKENS), prompt(12, TOKENS)
     store(admin, NS_B, b_tokens)
     store(admin, NS_DEFAULT, d_tokens)
