@@ -13,17 +13,19 @@ a real Redis 7:
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
+import urllib.request
 import uuid
 
 import numpy as np
 import pytest
-from _support import payload_of, prompt, read_checked, wait_for
+from _support import free_port, payload_of, prompt, read_checked, wait_for
 from kvtier.connector.client import ClientConfig, KVTierClient
 from kvtier.connector.results import LookupResult
 from kvtier.server.keys import Namespace
-from redis_servers import make_acl_user, redis_standalone  # noqa: F401 - fixtures
+from redis_servers import make_acl_user, redis_cluster, redis_standalone  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.integration
 
@@ -42,10 +44,11 @@ NS_DEFAULT = namespace("team-c")  # a salt no table names: the default tenant
 TOKENS = 2 * 64  # two whole chunks per prompt
 
 
-def node(kvtier_server, url: str, prefix: str, seed: str, tenants: str = "team-b"):  # type: ignore[no-untyped-def]
+def node(kvtier_server, url: str, prefix: str, seed: str, tenants: str = "team-b",  # type: ignore[no-untyped-def]
+         http: int = 0):
     return kvtier_server(l1_gb=0.125, env={"PYTHONHASHSEED": seed}, extra=[
         "--remote-url", url, "--remote-prefix", prefix, "--remote-timeout-ms", "2000",
-        "--l1-tenant-quotas", "team-a=0", "--remote-tenants", tenants])
+        "--l1-tenant-quotas", "team-a=0", "--remote-tenants", tenants, *(["--http-port", str(http)] if http else [])])
 
 
 def client(url: str) -> KVTierClient:
@@ -80,13 +83,25 @@ def cli(url: str, *args: str) -> str:
 
 
 def keys(url: str, pattern: str) -> list[str]:
+    """The keys matching `pattern` (on every master of a redis+cluster:// URL)."""
+    if url.startswith("redis+cluster://"):
+        return [k for node in url.removeprefix("redis+cluster://").split(",")
+                for k in keys(f"redis://{node}", pattern)]
     return cli(url, "--scan", "--pattern", pattern).split()
 
 
-def test_a_named_tenant_s_chunks_live_under_its_prefix_and_another_node_reads_them(
-        redis_standalone, kvtier_server):  # noqa: F811
-    prefix = f"t{uuid.uuid4().hex[:10]}"
-    a, b = node(kvtier_server, redis_standalone, prefix, "1"), node(kvtier_server, redis_standalone, prefix, "2")
+def clear(http: int, body: dict) -> dict:
+    """POST /cache/clear of a node's admin API: what it cleared per tier."""
+    request = urllib.request.Request(f"http://127.0.0.1:{http}/cache/clear", data=json.dumps(body).encode(),
+                                     method="POST", headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return json.loads(reply.read())["tiers"]
+
+
+@pytest.mark.parametrize("backend", ["redis_standalone", "redis_cluster"])
+def test_a_named_tenant_s_chunks_live_under_its_prefix_and_another_node_reads_them(backend, request, kvtier_server):
+    url, prefix, http = request.getfixturevalue(backend), f"t{uuid.uuid4().hex[:10]}", free_port()
+    a, b = node(kvtier_server, url, prefix, "1", http=http), node(kvtier_server, url, prefix, "2")
     ca, cb = client(a.url), client(b.url)
     prompts = {ns.cache_salt: (ns, prompt(i, TOKENS)) for i, ns in enumerate((NS_A, NS_A_REQUEST, NS_B,
                                                                                 NS_DEFAULT))}
@@ -98,13 +113,13 @@ def test_a_named_tenant_s_chunks_live_under_its_prefix_and_another_node_reads_th
              NS_DEFAULT: prefix}
     for ns, base in bases.items():
         fp = ns.fingerprint().hex()
-        assert len(keys(redis_standalone, f"{base}:{fp}:*:h")) == 2, ns.cache_salt  # its two chunks' headers
+        assert len(keys(url, f"{base}:{fp}:*:h")) == 2, ns.cache_salt  # its two chunks' headers
         if base != prefix:  # not under the layout from before tenants
-            assert keys(redis_standalone, f"{prefix}:{fp}:*") == []
+            assert keys(url, f"{prefix}:{fp}:*") == []
         else:
-            assert keys(redis_standalone, f"{prefix}:t:*:{fp}:*") == []
+            assert keys(url, f"{prefix}:t:*:{fp}:*") == []
     # Nothing else under the prefix: parts, headers and alias keys all under their namespace's base.
-    everything = keys(redis_standalone, f"{prefix}:*")
+    everything = keys(url, f"{prefix}:*")
     assert everything and all(any(k.startswith(f"{base}:{ns.fingerprint().hex()}:") for ns, base in bases.items())
                               for k in everything)
 
@@ -112,6 +127,15 @@ def test_a_named_tenant_s_chunks_live_under_its_prefix_and_another_node_reads_th
         found = lookup(cb, ns, tokens)
         assert not found.pending and found.blocks == TOKENS // 16 and set(found.tiers) == {"remote"}, ns.cache_salt
         assert read_checked(cb, ns, found.hits) == TOKENS // 16
+
+    # A clear of one namespace of team-a removes its keys under team-a's prefix, and only those; a clear of
+    # everything, every tenant's.
+    a_fp = NS_A.fingerprint().hex()
+    assert clear(http, {"scope": "namespace", "namespace": a_fp})["remote"]["entries"] == 2
+    assert keys(url, f"{prefix}:t:team-a:{a_fp}:*") == []
+    assert len(keys(url, f"{prefix}:t:team-a:*:h")) == 2  # NS_A_REQUEST's
+    assert clear(http, {"scope": "all"})["remote"] == {"entries": 6, "bytes": 0, "failed": 0}
+    assert keys(url, f"{prefix}:*") == []
 
 
 def test_a_user_limited_to_one_tenant_reaches_its_keys_and_is_refused_the_others(
