@@ -65,7 +65,7 @@ class ServerConfig:
     l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (aligned buffers; buffered if the filesystem refuses it)")
     l2_queue_depth: int = _opt(1024, "chunks the L2 write-behind queue holds before L2 copies are dropped")
     l2_eviction_policy: str = _opt("lru", "eviction policy of the L2 tier", choices=sorted(POLICIES))
-    l2_tenant_quotas: str = _opt("", "per-tenant L2 quotas, NAME=GUARANTEED[:MAXIMUM],... in bytes or % of "
+    l2_tenant_quotas: str = _opt("", "per-tenant L2 quotas, NAME=GUARANTEED[:MAXIMUM],... in bytes or percent of "
                                      "--l2-size-gb (empty: none; docs/l2.md, \"Tenants\")")
     remote_url: str = _opt("", "Redis >= 7 / Valkey >= 8 remote tier shared by nodes: redis://[user:password@]"
                                 "host:port[/db], rediss:// for TLS, redis+cluster://host:port,host:port,... "
