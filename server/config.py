@@ -51,8 +51,6 @@ class ServerConfig:
                                 "the segment and its journal (docs/warm-restart.md)")
     l1_discard: bool = _opt(False, "start with an empty L1 this time even if the old one could be adopted (its "
                                    "segment is removed and its memory freed)")
-    l1_tenant_quotas: str = _opt("", "per-tenant L1 quotas: NAME=GUARANTEED[:MAXIMUM],... in bytes or % of L1 "
-                                     "(docs/tenants.md)")
     shm_dir: str = _opt("/dev/shm", "tmpfs directory of the L1 segment; a tmpfs mounted with huge=within_size "
                                     "gives L1 huge pages (docs/operations.md)")
     shm_name: str = _opt("", "shared-memory segment name in --shm-dir (default kvtier-<port>)")
