@@ -110,8 +110,8 @@ def test_clear_patterns_cover_each_tenant_then_everything():
 
 
 def test_the_config_names_the_quota_tables_tenants_and_the_remote_ones():
-    config = ServerConfig(remote_url="redis://127.0.0.1:6379", l1_tenant_quotas="a=10%,*=0:50%,b=1GiB",
-                          l2_tenant_quotas="d=1GiB,b=5%", remote_tenants=" c, a ,*,")
+    config = ServerConfig(remote_url="redis://127.0.0.1:6379", l1_tenant_quotas="a=10%,*=0:50%,b=1MiB",
+                          l2_tenant_quotas="d=1MiB,b=5%", remote_tenants=" c, a ,*,")
     config.validate()
     assert config.remote_tenant_names() == ("a", "b", "d", "c")
     assert config.remote_options().tenants == ("a", "b", "d", "c")
