@@ -84,6 +84,12 @@ class Metrics:
         self.l1_used = Gauge("kvtier_l1_used_bytes", "L1 bytes in use (committed, reserved and doomed pages)", registry=r)
         self.entries = Gauge("kvtier_entries", "Chunks stored, by tier", ["tier"], registry=r)
         self.pinned_bytes = Gauge("kvtier_pinned_bytes", "L1 bytes of pinned chunks", registry=r)
+        self.kept_bytes = Gauge("kvtier_kept_bytes", "L1 bytes of chunks kept by request hints (retain_s, live "
+                                "sessions; docs/hints.md)", registry=r)
+        self.hint_sessions = Gauge("kvtier_hint_sessions", "Live sessions named by request hints", registry=r)
+        self.hint_sessions_refused = Counter(
+            "kvtier_hint_sessions_refused", "Stores naming a new session beyond --hint-max-sessions (stored, not "
+            "kept)", registry=r)
         self.clients = Gauge("kvtier_clients_connected", "Registered clients", registry=r)
         self.l1_adopted = Gauge("kvtier_l1_adopted_chunks", "Chunks adopted at start from the L1 the previous "
                                 "server left (warm restart)", registry=r)

@@ -115,20 +115,23 @@ class TenantBook:
         row = self.usage[entry.tenant]
         self._count(entry, -1)
         row.evictions[reason] = row.evictions.get(reason, 0) + 1
-        self.hidden(entry)
+        if not entry.kept:  # a kept entry left the order when it was kept
+            self.hidden(entry)
 
     def shown(self, entry: Entry) -> None:
-        """The entry is in the eviction order (stored, or no longer kept by a hint)."""
-        self.order[entry.tenant][entry.key] = entry
+        """The entry is in the eviction order (stored, or no longer kept by a hint). The per-tenant order is
+        kept only while a table names tenants (set_table builds it)."""
+        if self.table is not None:
+            self.order[entry.tenant][entry.key] = entry
         if entry.priority == LOW:
             self.low[entry.key] = entry
         elif entry.priority == HIGH:
             self.high += 1
 
     def hidden(self, entry: Entry) -> None:
-        """The entry left the eviction order (removed, or kept by a hint)."""
-        if self.order[entry.tenant].pop(entry.key, None) is None:
-            return
+        """The entry left the eviction order (removed, or kept by a hint): once for each `shown`."""
+        if self.table is not None:
+            self.order[entry.tenant].pop(entry.key, None)
         if entry.priority == LOW:
             self.low.pop(entry.key, None)
         elif entry.priority == HIGH:
