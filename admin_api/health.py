@@ -45,7 +45,6 @@ async def healthz(cache: CacheDep, daemon: DaemonDep) -> JSONResponse:
 @router.get("/status", summary="capacity, usage, namespaces, clients and policy")
 async def status(request: Request, cache: CacheDep, daemon: DaemonDep) -> dict:
     store, holds, l2, remote = cache.store, cache.holds, cache.tier("l2"), cache.tier("remote")
-    tenants = store.tenants
     return {
         "version": version(),
         "uptime_s": round(time.monotonic() - request.app.state.started, 3),
@@ -54,7 +53,7 @@ async def status(request: Request, cache: CacheDep, daemon: DaemonDep) -> dict:
         "policy": store.policy.name,
         "log_level": logging.getLevelName(logging.getLogger().level).lower(),
         "l1": {**cache_status.l1_status(cache), "shm_name": daemon.segment.name, "shm_dir": daemon.segment.directory,
-               "tenant_quotas": tenants.table.text() if tenants.table is not None else "", "tenants": tenants.rows()},
+               "tenants": store.tenants.rows()},
         "l2": l2.stats() if l2 is not None else {"l2_enabled": False},
         "remote": remote.stats() if remote is not None else {"remote_enabled": False},
         "tiers": [{"name": tier.name, **tier.stats()} for tier in cache.tiers],  # lookup order, any tier
