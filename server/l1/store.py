@@ -227,12 +227,15 @@ class L1Store:
         extents = self.pool.allocate(npages)
         assert extents is not None  # make_room guaranteed the pages
         self.busy[key] = token
+        if tenant is not None:
+            book.writing(key, (tenant, npages))
         return extents
 
     def end_busy(self, key: bytes, token: object) -> None:
         """`token`'s insert of `key` is over (committed, aborted or lapsed): another may start one."""
         if self.busy.get(key) is token:
             del self.busy[key]
+            self.tenants.writing(key, None)
 
     def insert(self, entry: Entry) -> Entry:
         """Make a chunk whose bytes are in its pages visible (a commit, or a promotion from a lower tier)."""
