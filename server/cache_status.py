@@ -19,6 +19,7 @@ def l1_status(cache: Cache) -> dict:
         "entries": len(store.entries),
         "pinned_bytes": store.pinned_pages * ps,
         "kept_bytes": store.kept_pages * ps,
+        "tenant_quotas": store.tenants.table.text() if store.tenants.table is not None else "",
         "sessions": len(holds.retention.sessions),
         "evictable_bytes": store.evictable_pages * ps,
         "held_bytes": store.held_pages() * ps,
