@@ -186,8 +186,8 @@ class FsTier(LowerTier):
                 return False
             if need > self._capacity or meta.key in self._writing:
                 return False
-            if self._used + need > self._capacity and not self.policy.admit(
-                    meta.key, need, self._index.__contains__):
+            if self._used + need > self._capacity and not self.tenants.within_guarantee(meta.ns, need) \
+                    and not self.policy.admit(meta.key, need, self._index.__contains__):
                 return False
             refused = self._make_room_locked(meta, need)
             if refused:

@@ -12,7 +12,9 @@ tenants in O(namespaces).
 The rules (docs/l2.md, "Tenants"): a tenant over its maximum makes room from its own chunks first (reason
 "quota"; a put that cannot fit within the maximum is refused `tenant_max`); another tenant's chunk is never a
 victim when evicting it would take that tenant under its guarantee (a put that cannot get room is refused
-`tenant_guarantee`); otherwise the policy's order stands. As in L1 (server/l1/tenants.py), a victim search
+`tenant_guarantee`); a put that keeps its tenant within its guarantee skips the policy's admission and takes
+the room from other tenants first, its own chunks only after (it grows into its share: a loop that fits it
+is kept); otherwise the policy's order stands. As in L1 (server/l1/tenants.py), a victim search
 passes at most WALK_BOUND chunks it may not evict in the policy's order; then the victim is the oldest file
 (in the order files were indexed) of the tenant furthest over its guarantee, so a guaranteed tenant's cold
 files at the front of the order never make each put walk them all while holding the tier's lock.
@@ -180,12 +182,23 @@ class FsTenants:
         """Whether `need` more bytes would take `tenant` over its maximum."""
         return self.usage[tenant].used_bytes + need > self.limits[tenant].maximum
 
-    def may_displace(self, writer: str) -> Allowed:
-        """Which chunks a put of tenant `writer` may evict: its own always, another tenant's only if that
-        tenant stays at or over its guarantee."""
+    def within_guarantee(self, fp: bytes, need: int) -> bool:
+        """Whether a put of `need` bytes of namespace `fp` keeps its tenant within its guarantee (False without
+        a table): such a put skips the policy's admission and takes the room from other tenants first."""
+        if not self.active:
+            return False
+        self.refresh()
+        tenant = self.tenant(fp)
+        return self.usage[tenant].used_bytes + need <= self.limits[tenant].guaranteed
+
+    def may_displace(self, writer: str, own: bool = True) -> Allowed:
+        """Which chunks a put of tenant `writer` may evict: another tenant's only if that tenant stays at or
+        over its guarantee, and (if `own`) its own."""
         def allowed(victim: ChunkMeta) -> bool:
             owner = self.tenant(victim.ns)
-            return owner == writer or self.usage[owner].used_bytes - victim.file_bytes >= self.limits[owner].guaranteed
+            if owner == writer:
+                return own
+            return self.usage[owner].used_bytes - victim.file_bytes >= self.limits[owner].guaranteed
         return allowed
 
     def own(self, tenant: str) -> Allowed:
@@ -204,6 +217,10 @@ class FsTenants:
             while self.over_maximum(writer, need):
                 if not evict(QUOTA, own):
                     return TENANT_MAX
+        if self.within_guarantee(meta.ns, need):  # it grows into its share: the others' room first
+            others = self.may_displace(writer, own=False)
+            while full() and evict("capacity", others):
+                pass
         allowed = self.may_displace(writer)
         while full():
             if not evict("capacity", allowed):  # none indexed: only writes in flight hold the room

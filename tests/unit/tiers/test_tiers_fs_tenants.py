@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from kvtier.server.config import ServerConfig
+from kvtier.server.eviction import LRUPolicy
 from kvtier.server.keys import Namespace, digest
 from kvtier.server.metrics import Metrics
 from kvtier.server.tenants import QuotaTable
@@ -104,6 +105,29 @@ def test_a_tenant_over_its_guarantee_is_displaced_down_to_it_then_stores_are_ref
     assert fill(full, A, 0, 1) == [False]  # nothing of A's to evict, B's all guaranteed
     assert rows(full)["*"]["refused"] == {"tenant_guarantee": 1} and held(full, B, 0, 4) == [True] * 4
     assert all(fill(full, B, 4, 1)) and held(full, B, 0, 5) == [False, True, True, True, True]  # B's own
+
+
+class Refusing(LRUPolicy):
+    """LRU whose admission refuses every chunk offered while the tier is full, while `refusing`."""
+
+    refusing = True
+
+    def admit(self, key: bytes, size: int, evictable) -> bool:
+        return not self.refusing
+
+
+def test_a_tenant_growing_into_its_guarantee_takes_the_room_from_others_first_and_skips_admission(tmp_path):
+    policy = Refusing()
+    tier = FsTier(str(tmp_path), 8 * FILE, tenant_quotas=QuotaTable.parse("B=50%"), policy=policy)
+    tier.know_namespaces({B: namespace("B")}.get)
+    assert all(fill(tier, B, 0, 2)) and all(fill(tier, A, 0, 6))  # B's the oldest; the tier is full
+    assert fill(tier, A, 6, 1) == [False]  # A is not within a guarantee: the policy's admission refuses it
+    assert all(fill(tier, B, 2, 2))  # within B's 4 files: A's oldest go, not B's own older ones
+    assert held(tier, B, 0, 4) == [True] * 4 and held(tier, A, 0, 6) == [False, False] + [True] * 4
+    assert fill(tier, B, 4, 1) == [False]  # past its guarantee B is an ordinary put: the policy refuses it
+    policy.refusing = False
+    assert all(fill(tier, B, 4, 1))  # and then it loses its own oldest, in the policy's order
+    assert held(tier, B, 0, 5) == [False] + [True] * 4 and tier.entries == 8
 
 
 def test_a_victim_search_passes_at_most_walk_bound_chunks_then_takes_the_oldest_allowed_file(tmp_path):
