@@ -325,6 +325,8 @@ class L1Store:
                 return p.RETAINED if self.kept_pages else p.TENANT_MAX
         if pool.free_pages + self.evictable_pages < npages:
             return p.RETAINED if pool.free_pages + self.evictable_pages + self.kept_pages >= npages else p.NO_SPACE
+        if (growing := book.growing(tenant, npages)) is not None:  # into its guarantee: the others' room first
+            self.evict_while(lambda: pool.free_pages < npages, "capacity", growing)
         self.evict_while(lambda: pool.free_pages < npages, "capacity", book.may_evict(tenant))
         if pool.free_pages >= npages:
             return None
