@@ -30,6 +30,7 @@ from kvtier.server.keys import ChunkKeys, Namespace
 from kvtier.server.l1.holdings import ClientState
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool
+from kvtier.server.l1.reconfig import set_quotas
 from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.server.tenants import QuotaTable
@@ -70,7 +71,7 @@ class InProcessServer:
         self.salts = dict(salts or {})
         self.fps: dict[int, bytes] = {}  # engine -> the fingerprint of its namespace
         if quotas is not None:
-            self.l1.set_quotas(quotas)
+            set_quotas(self.l1, quotas)
 
     def _owner(self, engine: int) -> tuple[ClientState, bytes]:
         ident = engine.to_bytes(4, "little")

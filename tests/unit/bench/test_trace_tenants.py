@@ -89,8 +89,8 @@ def test_each_tenant_s_engine_stores_in_its_tenant() -> None:
     drive(server, trace, GEOMETRY)
     book = server.l1.tenants
     assert {engine: book.tenant(fp) for engine, fp in server.fps.items()} == {ENGINE_A: "A", ENGINE_B: "B"}
-    assert book.usage["A"].used_bytes > 0 and book.usage["B"].used_bytes > 0
-    assert book.usage["A"].used_bytes + book.usage["B"].used_bytes == server.l1.pool.used_pages * GEOMETRY.page_bytes
+    assert book.usage["A"].pages > 0 and book.usage["B"].pages > 0
+    assert book.usage["A"].pages + book.usage["B"].pages == server.l1.pool.used_pages
 
 
 # -- agent sessions ------------------------------------------------------------------------------
