@@ -6,8 +6,9 @@ and session hints keep, measured through the connector's steps against the serve
   loop is measured alone, next to A with no quota table, and next to A under the table `A=30%,B=70%`.
 - `agent`: long agent sessions (8 at a time, 16 in all, 20-40 turns each); a turn re-reads the session's whole
   history and appends to it, and between two turns of a session (its think time) the other sessions run and
-  one-off documents totalling ~1.5x L1 pass through. The histories live at one time stay under L1 (~0.8x at
-  their peak; ~1.6x L1 over the trace), so a policy that knew the sessions could keep them all. The history
+  one-off documents totalling ~1.5x L1 pass through. Appends are sized from L1 (a 1:4 range, as 200-800
+  tokens are) so that the histories live at one time stay under L1 (~0.6-0.7x at their peak; ~1.7x L1 over
+  the trace): a policy that knew the sessions could keep them all. The history
   hit ratio is measured with each turn storing under `Hint(session=...)` (the last turn ends the session) and
   without the hint.
 """
