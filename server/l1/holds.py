@@ -58,7 +58,8 @@ class Holds:
         self._ids = itertools.count(first_id)
         # Told the ident of every client that is unregistered (retired, dropped, or saying hello again).
         self.on_client_gone: list[Callable[[bytes], None]] = []
-        self.retention = Retention(store.keep, lambda e: store.entries.get(e.key) is e, clock, hints)
+        self.retention = Retention(store.keep, lambda e: store.entries.get(e.key) is e, clock, hints,
+                                   metrics.hint_sessions_refused.inc)
 
     # -- clients ---------------------------------------------------------------------------------
 
@@ -406,3 +407,4 @@ class Holds:
 
     def update_gauges(self) -> None:
         self.metrics.clients.set(len(self.clients))
+        self.metrics.hint_sessions.set(len(self.retention.sessions))

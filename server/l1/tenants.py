@@ -54,6 +54,8 @@ class TenantBook:
         self.order: dict[str, dict[bytes, Entry]] = {DEFAULT_TENANT: {}}  # evictable-order fallback, oldest first
         self.low: dict[bytes, Entry] = {}  # low-priority entries, oldest first: evicted before the policy's order
         self.high = 0  # high-priority entries in the policy's order
+        self._writes: dict[bytes, tuple[str, int]] = {}  # key being written -> (tenant, pages): counted at once
+        self._writing_pages: dict[str, int] = {}
 
     # -- tenants and limits ----------------------------------------------------------------------
 
@@ -117,20 +119,23 @@ class TenantBook:
         row = self.usage[entry.tenant]
         self._count(entry, -1)
         row.evictions[reason] = row.evictions.get(reason, 0) + 1
-        self.hidden(entry)
+        if not entry.kept:  # a kept entry left the order when it was kept
+            self.hidden(entry)
 
     def shown(self, entry: Entry) -> None:
-        """The entry is in the eviction order (stored, or no longer kept by a hint)."""
-        self.order[entry.tenant][entry.key] = entry
+        """The entry is in the eviction order (stored, or no longer kept by a hint). The per-tenant order is
+        kept only while a table names tenants (set_table builds it)."""
+        if self.table is not None:
+            self.order[entry.tenant][entry.key] = entry
         if entry.priority == LOW:
             self.low[entry.key] = entry
         elif entry.priority == HIGH:
             self.high += 1
 
     def hidden(self, entry: Entry) -> None:
-        """The entry left the eviction order (removed, or kept by a hint)."""
-        if self.order[entry.tenant].pop(entry.key, None) is None:
-            return
+        """The entry left the eviction order (removed, or kept by a hint): once for each `shown`."""
+        if self.table is not None:
+            self.order[entry.tenant].pop(entry.key, None)
         if entry.priority == LOW:
             self.low.pop(entry.key, None)
         elif entry.priority == HIGH:
@@ -152,8 +157,20 @@ class TenantBook:
 
     # -- victims ---------------------------------------------------------------------------------
 
+    def writing(self, key: bytes, write: tuple[str, int] | None) -> None:
+        """A tenant's chunk is being written into `pages` (None: its write ended): its maximum counts it from
+        the reserve on, so that one request's items cannot take the tenant past it before they commit."""
+        if write is not None:
+            self._writes[key] = write
+            tenant, pages = write
+        elif (ended := self._writes.pop(key, None)) is not None:
+            tenant, pages = ended[0], -ended[1]
+        else:
+            return
+        self._writing_pages[tenant] = self._writing_pages.get(tenant, 0) + pages
+
     def over_max(self, tenant: str, npages: int) -> bool:
-        return self.usage[tenant].pages + npages > self.max_pages(tenant)
+        return self.usage[tenant].pages + self._writing_pages.get(tenant, 0) + npages > self.max_pages(tenant)
 
     def may_evict(self, tenant: str | None) -> Callable[[Entry], bool] | None:
         """Which chunks a store by `tenant` may evict (None: any, as the policy orders)."""
