@@ -3,8 +3,10 @@
 
 Without a quota table every namespace is in the default tenant `*` and the store makes room exactly as the
 policy orders. With one, a store by tenant T evicts only chunks `may_evict` allows: T's own, or another
-tenant's while that tenant stays at or above its guarantee. The policy's walk is bounded: after WALK_BOUND
-protected chunks the victim comes from the per-tenant insertion order instead (`fallback`), so a guaranteed
+tenant's while that tenant stays at or above its guarantee; while the store keeps T within its guarantee, T
+takes the room from those others first and its own chunks only after, so T grows into its share instead of
+evicting its own chunks in the policy's order (a loop that fits its share is kept). The policy's walk is
+bounded: after WALK_BOUND protected chunks the victim comes from the per-tenant insertion order instead (`fallback`), so a guaranteed
 tenant's cold chunks at the front of the order never make a store walk the whole cache.
 """
 
@@ -170,16 +172,23 @@ class TenantBook:
     def over_max(self, tenant: str, npages: int) -> bool:
         return self.usage[tenant].pages + self._writing_pages.get(tenant, 0) + npages > self.max_pages(tenant)
 
-    def may_evict(self, tenant: str | None) -> Callable[[Entry], bool] | None:
-        """Which chunks a store by `tenant` may evict (None: any, as the policy orders)."""
+    def may_evict(self, tenant: str | None, own: bool = True) -> Callable[[Entry], bool] | None:
+        """Which chunks a store by `tenant` may evict (None: any, as the policy orders): other tenants' that stay
+        at or above their guarantee, and (if `own`) its own."""
         if self.table is None or tenant is None:
             return None
         usage, limits, ps = self.usage, self.limits, self.page_size
 
         def allowed(entry: Entry) -> bool:
             owner = entry.tenant
-            return owner == tenant or (usage[owner].pages - entry.pages) * ps >= limits[owner].guaranteed
+            if owner == tenant:
+                return own
+            return (usage[owner].pages - entry.pages) * ps >= limits[owner].guaranteed
         return allowed
+
+    def within_guarantee(self, tenant: str, npages: int) -> bool:
+        """Whether a store of `npages` keeps `tenant` within its guaranteed share."""
+        return (self.usage[tenant].pages + npages) * self.page_size <= self.limits[tenant].guaranteed
 
     def own(self, tenant: str) -> Callable[[Entry], bool]:
         return lambda entry: entry.tenant == tenant
