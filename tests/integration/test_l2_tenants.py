@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import signal
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -144,3 +147,15 @@ def test_a_table_set_through_reconfigure_acts_at_once_and_survives_a_warm_restar
     status, reply = post(http, "/reconfigure", {"l2_tenant_quotas": ""})
     assert status == 200 and reply["l2_tenant_quotas"]["table"] == ""
     assert [r["tenant"] for r in json.loads(get(http, "/status"))["tiers"][0]["l2_tenants"]] == ["*"]
+
+
+@pytest.mark.parametrize(("table", "why"), [("B=60%,A=50%", "add up to 110%"), ("B=1GiB", "more than the tier"),
+                                            ("B", "NAME=GUARANTEED")])
+def test_a_bad_table_stops_the_server_at_start_naming_the_flag(tmp_path, table, why):
+    cmd = [sys.executable, "-m", "kvtier.server.cli", "server", "--port", str(free_port()), "--http-port", "0",
+           "--l1-size-gb", "0.01", "--shm-name", f"kvtier-l2tenants-{os.getpid()}", "--l2-path", str(tmp_path / "l2"),
+           "--l2-size-gb", "0.5", "--l2-tenant-quotas", table]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "kvtier server ready" not in r.stdout + r.stderr
+    assert "--l2-tenant-quotas" in r.stderr and why in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
