@@ -148,6 +148,16 @@ def test_a_table_set_through_reconfigure_acts_at_once_and_survives_a_warm_restar
     assert status == 200 and reply["l2_tenant_quotas"]["table"] == ""
     assert [r["tenant"] for r in json.loads(get(http, "/status"))["tiers"][0]["l2_tenants"]] == ["*"]
 
+    # A kept table that no longer fits L2 (resized across the warm restart) gives way to the configured one.
+    assert post(http, "/reconfigure", {"l2_tenant_quotas": "A=6MiB"})[0] == 200
+    srv.signal(signal.SIGTERM)
+    assert srv.proc.wait(timeout=30) == 0, srv.log_text()
+    srv.args[srv.args.index("--l2-size-gb") + 1] = str(L2_BYTES / 2 / (1 << 30))
+    srv.start()
+    [tier] = [t for t in json.loads(get(http, "/status"))["tiers"] if t["name"] == "l2"]
+    assert tier["l2_tenant_quotas"] == "" and tier["l2_capacity_bytes"] == L2_BYTES // 2
+    assert "the kept l2 tenant quota table 'A=6291456' does not fit the tier now" in srv.log_path.read_text()
+
 
 @pytest.mark.parametrize(("table", "why"), [("B=60%,A=50%", "add up to 110%"), ("B=1GiB", "more than the tier"),
                                             ("B", "NAME=GUARANTEED")])
