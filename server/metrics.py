@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvtier.server.protocol import SKIP_REASONS, UNDELIVERED_REASONS
+from kvtier.server.protocol import HINT_IGNORED_REASONS, SKIP_REASONS, UNDELIVERED_REASONS
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 L1 = "l1"  # the memory tier's label; lower tiers label their metrics with their `name`
@@ -42,6 +42,10 @@ class Metrics:
         self.undelivered_tokens = Counter(
             "kvtier_undelivered_tokens", "Prompt tokens a lookup promised that the load did not deliver (the engine "
             "recomputed them), by reason", ["reason"], registry=r,
+        )
+        self.hints_ignored = Counter(
+            "kvtier_hints_ignored", "Request hints a connector ignored (a bad or unknown field), by field",
+            ["reason"], registry=r,
         )
         self.verify_checks = Counter(
             "kvtier_verify_checks", "Sampled hits recomputed by the engine and compared with what kvtier holds, by "
@@ -146,6 +150,8 @@ class Metrics:
             self.identity_skips.labels(reason)
         for reason in UNDELIVERED_REASONS:
             self.undelivered_tokens.labels(reason)
+        for reason in HINT_IGNORED_REASONS:
+            self.hints_ignored.labels(reason)
         for reason in ("too_many_tokens", "not_registered"):
             self.admin_lookups_refused.labels(reason)
 
