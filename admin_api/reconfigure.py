@@ -14,6 +14,7 @@ from kvtier.admin_api.models import ReconfigureRequest
 from kvtier.server.cache import Cache
 from kvtier.server.daemon import Daemon
 from kvtier.server.eviction import make_policy
+from kvtier.server.l1 import reconfig
 from kvtier.server.l1.store import ResizeRefused
 from kvtier.server.pinning import lockers
 from kvtier.shm.pages import extent_byte_ranges
@@ -70,7 +71,7 @@ def resize_l1(cache: Cache, daemon: Daemon, size: int, release_memory: bool) -> 
 def set_policy(cache: Cache, daemon: Daemon, name: str) -> dict:
     store = cache.store
     old = store.policy.name
-    moved = store.set_policy(make_policy(name))
+    moved = reconfig.set_policy(store, make_policy(name))
     daemon.config.eviction_policy = name
     log.info("admin: eviction policy %s -> %s (%d entries)", old, name, moved)
     return {"old": old, "new": name, "entries": moved}

@@ -107,7 +107,7 @@ class Cache:
         """`count`: whether the lookup goes into the metrics (False for a request asked about again)."""
         found = self._find(fp, chunks)
         if count:
-            self._count(found, chunks, self.store.namespace(fp).block_size)
+            self._count(fp, found, chunks, self.store.namespace(fp).block_size)
         return found
 
     def lookup_ranks(self, ranks: Sequence[tuple[bytes, list[list[bytes]]]], count: bool = True) -> list[Found]:
@@ -129,7 +129,7 @@ class Cache:
             found.tiers, found.pending = list(tiers), pending
         fp, chunks = ranks[0]
         if count:
-            self._count(founds[0], chunks, self.store.namespace(fp).block_size)
+            self._count(fp, founds[0], chunks, self.store.namespace(fp).block_size)
         return founds
 
     def _find(self, fp: bytes, chunks: list[list[bytes]]) -> Found:
@@ -173,13 +173,16 @@ class Cache:
                     break
         return out
 
-    def _count(self, found: Found, chunks: list[list[bytes]], block_size: int) -> None:
+    def _count(self, fp: bytes, found: Found, chunks: list[list[bytes]], block_size: int) -> None:
         """The lookup's metrics: requested blocks and tokens, hit tokens by the tier that had them."""
         m = self.metrics
         requested = sum(map(len, chunks))
         m.lookups.inc()
         m.requested_blocks.inc(requested)
         m.requested_tokens.inc(requested * block_size)
+        if self.store.tenants.table is not None:  # per tenant only when tenants are named: off the plain path
+            self.store.tenants.looked_up(fp, requested * block_size,
+                                         sum(map(itemgetter(1), found.hits)) * block_size)
         if not found.hits:
             return
         if found.tiers[-1] == L1:  # the common case (lower-tier hits follow the L1 prefix): one sum
@@ -275,6 +278,10 @@ class Cache:
         await waits
         leased = self.acquire(ident, fp, keys)  # not_registered if the client was dropped meanwhile
         return leased if isinstance(leased, tuple) else await leased
+
+    def end_session(self, session: str) -> bool:
+        """A request hint's session ended (docs/hints.md): its chunks go back to the eviction order."""
+        return self.holds.retention.end(session)
 
     # -- admin -----------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.server.eviction import DEFAULT_POLICY, POLICIES
+from kvtier.server.tenants import QuotaTable
 from kvtier.server.tiers.fs import FsOptions
 from kvtier.server.tiers.remote.options import READ_FROM, RemoteAccess, RemoteOptions, parse_remote_url
 from kvtier.shm.segment import tmpfs_options
@@ -52,6 +53,14 @@ class ServerConfig:
     http_port: int = _opt(8080, "admin HTTP port (0 disables the admin API)")
     admin_token: str = _opt("", "bearer token for the admin API and non-loopback binds", secret=True)
     log_level: str = _opt("info", "log level", choices=["debug", "info", "warning", "error"])
+    l1_tenant_quotas: str = _opt("", "per-tenant L1 quotas: NAME=GUARANTEED[:MAXIMUM],... each in bytes (512MiB) or "
+                                     "a share of L1 in percent; `*` names every other tenant (docs/tenants.md; empty: "
+                                     "no quotas)")
+    hint_max_retain_s: float = _opt(3600.0, "longest a request's `retain_s` hint keeps its chunks (0: retain_s is "
+                                            "ignored; docs/hints.md)")
+    hint_max_sessions: int = _opt(4096, "live sessions (request hint `session`) kept at once; a store naming one "
+                                        "more is stored but not kept")
+    hint_session_idle_s: float = _opt(600.0, "seconds without a store after which a session ends by itself")
     l2_path: str = _opt("", "directory of the L2 filesystem tier (empty: no L2)")
     l2_size_gb: float = _opt(10.0, "L2 capacity in GiB (chunk files, headers included)")
     l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (aligned buffers; buffered if the filesystem refuses it)")
@@ -155,6 +164,13 @@ class ServerConfig:
                 or self.gpu_max_copiers <= 0):
             raise ValueError("--gpu-pin-piece-mb, --gpu-op-timeout-s, --gpu-watchdog-s and --gpu-max-copiers must "
                              "be positive")
+        try:
+            QuotaTable.parse(self.l1_tenant_quotas).limits(self.l1_bytes // self.page_size * self.page_size)
+        except ValueError as exc:
+            raise ValueError(f"--l1-tenant-quotas: {exc}") from None
+        if self.hint_max_retain_s < 0 or self.hint_max_sessions < 0 or self.hint_session_idle_s <= 0:
+            raise ValueError("--hint-max-retain-s and --hint-max-sessions must be >= 0, --hint-session-idle-s "
+                             "positive")
         if self.l2_path and (self.l2_bytes <= 0 or self.l2_queue_depth <= 0):
             raise ValueError("--l2-size-gb and --l2-queue-depth must be positive when --l2-path is set")
         if self.remote_url:

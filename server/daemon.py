@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from typing import Protocol
 
 import uvloop
@@ -24,8 +25,11 @@ from kvtier.server.gpu_ops import GpuOps
 from kvtier.server.l1.adopt import JOURNAL_SUFFIX, L1Files, open_l1
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.journal_records import half_bytes
+from kvtier.server.l1.reconfig import set_quotas
+from kvtier.server.l1.retention import HintBounds
 from kvtier.server.metrics import FeedMetrics, GpuMetrics, Metrics
 from kvtier.server.rpc import RequestHandler
+from kvtier.server.tenant_tables import TenantTables
 from kvtier.server.tier_setup import make_tiers
 from kvtier.server.transfer.copiers import Copiers, CopiersConfig
 from kvtier.shm.client_lock import LockDirectory
@@ -67,7 +71,8 @@ class Daemon:
         self.locks.sweep()  # lock files of clients of an earlier server that died
         store = self.l1.store
         holds = Holds(store, self.metrics, lease_ttl_s=config.lease_ttl_s, reservation_ttl_s=config.reservation_ttl_s,
-                      client_timeout_s=config.client_timeout_s, locks=self.locks, first_id=time.time_ns() // 1000)
+                      client_timeout_s=config.client_timeout_s, locks=self.locks, first_id=time.time_ns() // 1000,
+                      hints=HintBounds(config.hint_max_retain_s, config.hint_max_sessions, config.hint_session_idle_s))
         try:
             self.cache = Cache(store, holds, self.metrics, make_tiers(config, store, self.segment.array(), self.metrics))
             self.cache.open()  # lower tiers' index scans run before the server reports ready
@@ -75,6 +80,12 @@ class Daemon:
             self.l1.abandon()
             self.pair.release()
             raise
+        self.tables = TenantTables.beside(config.shm_dir, self.segment.name, {"l1": config.l1_tenant_quotas},
+                                          keep=config.l1_adopt)
+        self.tables.appliers["l1"] = partial(set_quotas, store)
+        log.info("%s", self.tables.restore(config.l1_discard))
+        for tier, text in list(self.tables.current.items()):
+            self.tables.apply(tier, text)
         # adopted chunks a lower tier may lack (the old daemon's write-behind queue died with it), oldest first
         self._adopted = list(store.entries.values()) if self.l1.adopted and self.cache.tiers else []
         self.gpu_metrics = GpuMetrics(self.metrics)

@@ -60,6 +60,7 @@ class RequestHandler:
             "gpu_unregister": lambda ident, m: self._gpu().unregister(ident, m),
             "gpu_store": lambda ident, m: self._gpu().store(ident, m),
             "gpu_load": lambda ident, m: self._gpu().load(ident, m),
+            "end_session": self._end_session,
         }
 
     def handle(self, ident: bytes, frame: bytes) -> bytes | Awaitable[bytes]:
@@ -194,7 +195,15 @@ class RequestHandler:
         owner = self.holds.client(ident)
         fp = self._ns(m)
         items = [p.StoreItem.from_wire(v) for v in p.list_field(m, "items", p.MAX_STORE_ITEMS)]
-        return p.ok(p.request_id(m), results=self.holds.reserve(owner, fp, items))
+        hint = p.Hint.from_wire(m["hint"]) if "hint" in m else p.NO_HINT
+        return p.ok(p.request_id(m), results=self.holds.reserve(owner, fp, items, hint=hint))
+
+    def _end_session(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
+        self.holds.client(ident)
+        session = p.field(m, "session", str)
+        if not session or len(session) > p.MAX_SESSION_ID:
+            raise p.ProtocolError(p.BAD_REQUEST, f"session must be 1..{p.MAX_SESSION_ID} characters")
+        return p.ok(p.request_id(m), ended=self.cache.end_session(session))
 
     def _ids(self, m: dict[str, Any], name: str) -> list[int]:
         ids = p.list_field(m, name)

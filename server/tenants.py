@@ -54,7 +54,8 @@ class Quota:
 
     def limits(self, capacity: int) -> Limits:
         top = capacity if self.maximum is None else min(capacity, self.maximum.bytes_of(capacity))
-        return Limits(min(self.guaranteed.bytes_of(capacity), top), top)
+        low = self.guaranteed.bytes_of(capacity)
+        return Limits(low if low > capacity else min(low, top), top)  # a guarantee beyond the tier is refused
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from kvtier.server.l1.entry import Entry
 from kvtier.server.l1.journal import L1Journal
 from kvtier.server.l1.journal_records import VERSION, half_bytes
 from kvtier.server.l1.pool import PagePool, extent_pages
+from kvtier.server.l1.reconfig import drain_policy
 from kvtier.server.l1.replay import replay
 from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
@@ -68,7 +69,7 @@ class OpenedL1:
             self.segment.close()
             return "shared-memory segment removed"
         pool = self.store.pool
-        self.journal.compact(self.store.drain_policy())
+        self.journal.compact(drain_policy(self.store))
         with contextlib.suppress(OSError):  # not fatal: only the memory of free pages stays committed
             self.segment.give_back(extent_byte_ranges(pool.free_extents(), pool.page_size))
         chunks, nbytes = len(self.store.entries), pool.used_pages * pool.page_size

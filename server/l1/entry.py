@@ -23,6 +23,11 @@ class Entry:
     doomed: bool = False  # removed while held: its pages return when the last hold goes
     tokens: bytes = b""  # its token ids and parent key, when its client sent them (events.Stored)
     parent: bytes = b""
+    tenant: str = "*"  # whose quota it counts against (l1/tenants.py)
+    priority: int = 1  # its request's eviction class: an index into protocol.PRIORITIES
+    kept: bool = False  # kept by a request hint (l1/retention.py): out of the eviction order meanwhile
+    until: float = 0.0  # kept by `retain_s` until then (the holds' clock)
+    session: str = ""  # kept while this session lives
 
     @property
     def pages(self) -> int:
@@ -30,7 +35,7 @@ class Entry:
 
     @property
     def evictable(self) -> bool:
-        return not (self.readers or self.pins or self.doomed)
+        return not (self.readers or self.pins or self.doomed or self.kept)
 
 
 def key_of(entry: Entry) -> bytes:

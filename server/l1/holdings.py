@@ -35,6 +35,7 @@ class Reservation:
     deadline: float
     lapsed: bool = False  # expired or its client retired: not committable, pages held back
     copying: bool = False  # a copier writes its pages (GPU engines): never freed before the copy ended
+    hint: p.Hint = p.NO_HINT  # its request's hint (l1/retention.py)
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from kvtier.server.l1.holdings import (
 )
 from kvtier.server.l1.journal_records import Unheld
 from kvtier.server.l1.pool import Extents, extent_pages
+from kvtier.server.l1.retention import DEFAULT_BOUNDS, HintBounds, Retention
 from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
 from kvtier.shm.client_lock import LOCK_INFIX, LockDirectory
@@ -38,7 +39,7 @@ from kvtier.shm.client_lock import LOCK_INFIX, LockDirectory
 class Holds:
     def __init__(self, store: L1Store, metrics: Metrics, lease_ttl_s: float = 30.0, reservation_ttl_s: float = 30.0,
                  client_timeout_s: float = 15.0, clock: Callable[[], float] = time.monotonic,
-                 locks: LockDirectory | None = None, first_id: int = 1) -> None:
+                 locks: LockDirectory | None = None, first_id: int = 1, hints: HintBounds = DEFAULT_BOUNDS) -> None:
         """`first_id`: the first reservation and lease id. A daemon starts its ids where no earlier daemon's
         can be (its start time in microseconds), so a commit or release of a predecessor's id, from a
         client that lived through a restart, never names a holding of this one: it is refused."""
@@ -57,6 +58,7 @@ class Holds:
         self._ids = itertools.count(first_id)
         # Told the ident of every client that is unregistered (retired, dropped, or saying hello again).
         self.on_client_gone: list[Callable[[bytes], None]] = []
+        self.retention = Retention(store.keep, lambda e: store.entries.get(e.key) is e, clock, hints)
 
     # -- clients ---------------------------------------------------------------------------------
 
@@ -112,11 +114,12 @@ class Holds:
 
     # -- store -----------------------------------------------------------------------------------
 
-    def reserve(self, owner: ClientState, fp: bytes, items: list[p.StoreItem], client_writes: bool = True
-                ) -> list[list]:
+    def reserve(self, owner: ClientState, fp: bytes, items: list[p.StoreItem], client_writes: bool = True,
+                hint: p.Hint = p.NO_HINT) -> list[list]:
         """Per item: [status, reservation id, extents] or [REFUSED, reason] / [EXISTS] / [BUSY]. The journal
         names the owner's lock as the pages' writer unless a copier of this daemon writes them (`client_writes`
-        False: the copier dies with the daemon)."""
+        False: the copier dies with the daemon). The request's `hint` applies to what it stores and to the
+        chunks it offers that exist (l1/retention.py)."""
         self._may_hold_pages(owner)
         store = self.store
         ns, pool = store.namespace(fp), store.pool
@@ -133,6 +136,8 @@ class Holds:
             if found is not None and (found[1] >= item.blocks or item.key in store.entries):
                 if not broken:  # a chunk behind a missing one is not re-used: it keeps aging
                     store.touch(found[0])
+                    if hint != p.NO_HINT:
+                        self.retention.apply(found[0], hint)
                 self.metrics.store_skipped.labels("exists").inc()
                 results.append([p.EXISTS])
                 continue
@@ -140,12 +145,13 @@ class Holds:
                 self.metrics.store_skipped.labels("in_progress").inc()
                 results.append([p.BUSY])
                 continue
-            res = None if broken else Reservation(next(self._ids), owner, fp, item, (), now + self.reservation_ttl_s)
+            res = None if broken else Reservation(next(self._ids), owner, fp, item, (), now + self.reservation_ttl_s,
+                                                  hint=hint)
             if res is None:
                 got: Extents | str = p.PREFIX_REFUSED
             else:
                 with self._writing(owner.lock if client_writes else "", res.rid):
-                    got = store.begin_insert(item.key, item.size, res)
+                    got = store.begin_insert(item.key, item.size, res, fp=fp)
             if res is None or isinstance(got, str):
                 broken = True
                 self.metrics.refused.labels(got).inc()
@@ -176,7 +182,9 @@ class Holds:
             self.metrics.store_seconds.observe(max(0.0, self.clock() - res.deadline + self.reservation_ttl_s))
             item = res.item
             entry = self.store.insert(Entry(item.key, res.ns, item.size, item.blocks, res.extents, item.aliases,
-                                            tokens=item.tokens, parent=item.parent))
+                                            tokens=item.tokens, parent=item.parent, priority=res.hint.priority))
+            if res.hint != p.NO_HINT:
+                self.retention.apply(entry, res.hint)
             self.metrics.stores.inc()
             self.metrics.store_bytes.inc(item.size)
             self.metrics.item_bytes.observe(item.size)
@@ -296,6 +304,7 @@ class Holds:
         clients held back and what of an adopted L1's quarantine is over; forget namespaces nobody uses."""
         self.store.flush_touches()
         now = self.clock()
+        self.retention.sweep()
         self.store.end_quarantine(lambda group: self._quarantine_over(group, now))
         for client in list(self.clients.values()):
             if self._dead(client):

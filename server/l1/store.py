@@ -23,6 +23,7 @@ from kvtier.server.l1.entry import Entry, L1Listener, key_of
 from kvtier.server.l1.journal import L1Journal
 from kvtier.server.l1.journal_records import Unheld
 from kvtier.server.l1.pool import Extents, PagePool, extent_pages
+from kvtier.server.l1.tenants import TenantBook
 from kvtier.server.metrics import L1, Metrics
 
 TOUCH_BACKLOG_MAX = 1024
@@ -48,6 +49,8 @@ class L1Store:
         self.doomed: dict[int, Entry] = {}  # removed entries still held, by id()
         self.evictable_pages = 0
         self.pinned_pages = 0
+        self.kept_pages = 0  # kept by request hints (l1/retention.py)
+        self.tenants = TenantBook(pool.num_pages, pool.page_size)
         self.backed_bytes = 0  # of the segment, known to have memory behind it (the daemon's prefault)
         self.prefault = "off"  # the daemon's L1 prefault: off, running, done or failed
         self.journal: L1Journal | None = None  # the first listener (and, at the pool, the log of pages)
@@ -70,7 +73,9 @@ class L1Store:
         fp = namespace.fingerprint()
         if fp not in self.namespaces and len(self.namespaces) >= MAX_NAMESPACES:
             raise p.ProtocolError(p.BAD_REQUEST, f"the server holds {MAX_NAMESPACES} namespaces already")
-        self.namespaces.setdefault(fp, namespace)
+        if fp not in self.namespaces:
+            self.namespaces[fp] = namespace
+            self.tenants.register(fp, namespace.cache_salt)
         self.ns_usage.setdefault(fp, [0, 0])
         return fp
 
@@ -85,6 +90,7 @@ class L1Store:
         for fp in [fp for fp in self.namespaces if fp not in named and not self.ns_usage.get(fp, (0,))[0]]:
             del self.namespaces[fp]
             self.ns_usage.pop(fp, None)
+            self.tenants.forget(fp)
 
     # -- lookup ----------------------------------------------------------------------------------
 
@@ -198,18 +204,25 @@ class L1Store:
 
     # -- inserts ---------------------------------------------------------------------------------
 
-    def begin_insert(self, key: bytes, size: int, token: object, admit: bool = True) -> Extents | str:
-        """Pages for a chunk about to be written (evicting as the policy orders; asking its admission
-        first when `admit` and L1 is full but eviction could make the room), `key` marked busy for `token`;
-        or the reason it is refused."""
-        pool = self.pool
+    def begin_insert(self, key: bytes, size: int, token: object, admit: bool = True, fp: bytes = b""
+                     ) -> Extents | str:
+        """Pages for a chunk of namespace `fp` about to be written (evicting as the policy orders, within the
+        tenants' quotas; asking the policy's admission first when `admit` and L1 is full but eviction could
+        make the room, unless the tenant is within its guarantee), `key` marked busy for `token`; or the
+        reason it is refused."""
+        pool, book = self.pool, self.tenants
         npages = pool.pages_for(size)
         self.flush_touches()
+        tenant = book.tenant(fp) if book.table is not None and fp else None
         could = pool.free_pages < npages <= min(pool.num_pages, pool.free_pages + self.evictable_pages)
-        if admit and could and not self.policy.admit(key, size, self._is_evictable):
+        if admit and could and not (tenant is not None and (book.usage[tenant].pages + npages) * pool.page_size
+                                    <= book.limits[tenant].guaranteed) \
+                and not self.policy.admit(key, size, self._is_evictable):
             return p.NOT_ADMITTED
-        reason = self.make_room(npages)
+        reason = self.make_room(npages, tenant)
         if reason:
+            if fp:
+                book.refused(fp, reason)
             return reason
         extents = self.pool.allocate(npages)
         assert extents is not None  # make_room guaranteed the pages
@@ -233,6 +246,8 @@ class L1Store:
         self.index.add(entry, entry.key, entry.blocks, entry.aliases)
         self.policy.insert(entry.key, entry.size)
         self.evictable_pages += entry.pages
+        ns = self.namespaces.get(entry.ns)
+        self.tenants.added(entry, entry.blocks * ns.block_size if ns is not None else 0)
         usage = self.ns_usage.setdefault(entry.ns, [0, 0])
         usage[0] += 1
         usage[1] += entry.size
@@ -244,8 +259,12 @@ class L1Store:
         del self.entries[entry.key]
         self.index.remove(entry, entry.key, entry.aliases)
         self.policy.remove(entry.key)
+        self.tenants.removed(entry, reason)
         if entry.evictable:
             self.evictable_pages -= entry.pages
+        if entry.kept:  # its hint's hold ends with it
+            self.kept_pages -= entry.pages
+            entry.kept = False
         if entry.pins:  # removal (clear, corruption) drops pins: they name a chunk that is gone
             self.pinned_pages -= entry.pages
             entry.pins = 0
@@ -293,34 +312,63 @@ class L1Store:
 
     # -- room and eviction -----------------------------------------------------------------------
 
-    def make_room(self, npages: int) -> str | None:
-        """Evict until `npages` are free, or the reason that cannot be (nothing is evicted then)."""
-        pool = self.pool
+    def make_room(self, npages: int, tenant: str | None = None) -> str | None:
+        """Evict until `npages` are free for a store by `tenant` (None: no quota applies), or the reason that
+        cannot be. A tenant at its maximum makes room from its own chunks first (`quota`)."""
+        pool, book = self.pool, self.tenants
         self.flush_touches()
         if npages > pool.num_pages:
             return p.TOO_LARGE
+        if tenant is not None and book.over_max(tenant, npages):
+            self.evict_while(lambda: book.over_max(tenant, npages), "quota", book.own(tenant))
+            if book.over_max(tenant, npages):
+                return p.RETAINED if self.kept_pages else p.TENANT_MAX
         if pool.free_pages + self.evictable_pages < npages:
-            return p.NO_SPACE
-        self._evict_while(lambda: pool.free_pages < npages, "capacity")
-        return None if pool.free_pages >= npages else p.NO_SPACE  # only if the evictable count drifted
+            return p.RETAINED if pool.free_pages + self.evictable_pages + self.kept_pages >= npages else p.NO_SPACE
+        self.evict_while(lambda: pool.free_pages < npages, "capacity", book.may_evict(tenant))
+        if pool.free_pages >= npages:
+            return None
+        return p.TENANT_GUARANTEE if tenant is not None else p.NO_SPACE  # or the evictable count drifted
 
     def shed(self, reason: str) -> tuple[int, int]:
         """Evict while L1 uses more pages than its budget (after a shrink); returns (entries, bytes)."""
         self.flush_touches()
-        return self._evict_while(lambda: self.pool.used_pages > self.pool.num_pages, reason)
+        return self.evict_while(lambda: self.pool.used_pages > self.pool.num_pages, reason)
 
-    def _evict_while(self, needed: Callable[[], bool], reason: str) -> tuple[int, int]:
-        """The eviction loop: policy victims while `needed()`; returns (entries, bytes) evicted."""
+    def evict_while(self, needed: Callable[[], bool], reason: str,
+                     allowed: Callable[[Entry], bool] | None = None) -> tuple[int, int]:
+        """The eviction loop: victims while `needed()` (only entries `allowed` names, when given); returns
+        (entries, bytes) evicted."""
         evicted = freed = 0
         while needed():
-            key = self.policy.pick_victim(self._is_evictable)
-            if key is None:
+            entry = self._victim(allowed)
+            if entry is None:
                 break
-            entry = self.entries[key]
             self.remove(entry, reason)
             evicted += 1
             freed += entry.size
         return evicted, freed
+
+    def _victim(self, allowed: Callable[[Entry], bool] | None) -> Entry | None:
+        if allowed is None and not self.tenants.high and not self.tenants.low:  # the policy's order as it is
+            key = self.policy.pick_victim(self._is_evictable)
+            return None if key is None else self.entries[key]
+        return self.tenants.victim(self.policy, self.entries, allowed)
+
+    def keep(self, entry: Entry, on: bool) -> None:
+        """Keep an entry out of eviction for a request hint (on), or give it back to the policy (off)."""
+        if entry.kept == on or entry.doomed:
+            return
+        was_evictable = entry.evictable
+        entry.kept = on
+        self.evictable_pages += entry.pages * (entry.evictable - was_evictable)
+        self.kept_pages += entry.pages if on else -entry.pages
+        if on:
+            self.policy.remove(entry.key)
+            self.tenants.hidden(entry)
+        else:
+            self.policy.insert(entry.key, entry.size)
+            self.tenants.shown(entry)
 
     def _is_evictable(self, key: bytes) -> bool:
         entry = self.entries.get(key)
@@ -340,37 +388,12 @@ class L1Store:
             raise ResizeRefused(f"cannot shrink L1 to {num_pages * ps} bytes: {held * ps} bytes are pinned or leased")
         old = pool.num_pages
         pool.set_budget(num_pages)
+        self.tenants.resize(num_pages)
         evicted, freed = self.shed("resize")
         self.metrics.l1_capacity.set(num_pages * ps)
         self.update_gauges()
         return {"old_capacity_bytes": old * ps, "capacity_bytes": num_pages * ps, "evicted_entries": evicted,
                 "evicted_bytes": freed, "draining_bytes": max(0, pool.used_pages - num_pages) * ps}
-
-    def set_policy(self, policy: EvictionPolicy) -> int:
-        """Swap the eviction policy, re-inserting entries in the old policy's eviction order (next victim
-        first, so it stays the coldest); returns the entries moved."""
-        order = self.drain_policy()
-        for key in order:
-            policy.insert(key, self.entries[key].size)
-        self.policy = policy
-        return len(order)
-
-    def drain_policy(self) -> list[bytes]:
-        """Every entry's key in the policy's eviction order (next victim first), emptying the policy: for
-        a new policy, or the journal's last snapshot at a clean stop."""
-        self.flush_touches()
-        old = self.policy
-        order: list[bytes] = []
-        seen: set[bytes] = set()
-        for _ in range(len(self.entries) + 1):
-            key = old.pick_victim(lambda _k: True)
-            if key is None or key in seen:
-                break
-            old.remove(key)
-            seen.add(key)
-            if key in self.entries:
-                order.append(key)
-        return order + [k for k in self.entries if k not in seen]
 
     # -- reporting -------------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from kvtier.server.l1.adopt import JOURNAL_SUFFIX, L1Files, OpenedL1, open_l1
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.journal_records import VERSION, half_bytes
 from kvtier.server.l1.pool import extent_pages, from_extents
+from kvtier.server.l1.reconfig import drain_policy
 from kvtier.server.metrics import Metrics
 from kvtier.shm.client_lock import LOCK_INFIX, ClientLock, LockDirectory
 from kvtier.shm.journal import HEADER_BYTES, journal_bytes, write_header
@@ -208,7 +209,7 @@ def test_a_clean_stop_keeps_everything_and_the_policys_order(files):
     l1.close()
     l1, holds = start(files, policy="lru")
     assert sorted(l1.store.entries) == sorted(before) and not l1.store.quarantined
-    order = l1.store.drain_policy()
+    order = drain_policy(l1.store)
     assert order[-3:] == [block_key(f, BPC) for f in (5, 1, 6)]  # recency survived the restart
     l1.abandon()
 

@@ -23,6 +23,7 @@ from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.journal import L1Journal
 from kvtier.server.l1.journal_records import ALLOC, COMMIT, FREE, NAMESPACE, REMOVE, VERSION, half_bytes
 from kvtier.server.l1.pool import PagePool, extent_pages, from_extents
+from kvtier.server.l1.reconfig import drain_policy
 from kvtier.server.l1.replay import replay
 from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
@@ -272,7 +273,7 @@ def test_a_clean_stop_snapshot_carries_the_policys_order():
     work = Workload(99, "lru")
     for _ in range(300):
         work.step()
-    order = work.store.drain_policy()
+    order = drain_policy(work.store)
     work.writer.compact(order)
     assert [e.key for e in replay(work.journal.records(), PAGES, PAGE).entries] == order
 

@@ -22,6 +22,7 @@ from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.journal import L1Journal
 from kvtier.server.l1.journal_records import VERSION, half_bytes
 from kvtier.server.l1.pool import PagePool, from_extents
+from kvtier.server.l1.reconfig import drain_policy
 from kvtier.server.l1.replay import replay
 from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
@@ -225,7 +226,7 @@ def test_a_compaction_on_the_loop_while_a_snapshot_is_staged_drops_it_and_keeps_
     for later in range(family, family + 100):
         store_family(holds, later)
     journal.gate.set()
-    order = store.drain_policy()
+    order = drain_policy(store)
     writer.compact(order)
     assert journal.staging is None and writer.compactions == 1
     assert [e.key for e in replay(journal.records(), PAGES, PAGE).entries] == order
