@@ -26,7 +26,7 @@ from kvtier.connector.vllm.hints import NO_HINTS, RequestHints, parse_hints
 from kvtier.connector.vllm.identity import LoraFingerprints, request_identity
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.server.keys import PLAIN, Namespace, RequestIdentity
-from kvtier.server.protocol import SKIP_MODEL
+from kvtier.server.protocol import NO_HINT, SKIP_MODEL
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -250,9 +250,10 @@ class SchedulerSide(ConnectorSide):
         whole = tracked.hints.stored_blocks(len(tracked.prompt), self.block_size)
         # Chunks kvtier just served, or that vLLM's own cache held (this instance computed and offered
         # them before), are not offered again: that saves a store round trip on every cache hit, at the
-        # price of not re-offering a prefix kvtier has evicted while vLLM still caches it.
+        # price of not re-offering a prefix kvtier has evicted while vLLM still caches it. A request with a
+        # hint offers them all: its hint applies to the chunks that exist too (answered "exists", no copy).
         chunk = self.options.chunk_size
-        skip = max(tracked.hit_tokens, tracked.local_tokens) // chunk
+        skip = max(tracked.hit_tokens, tracked.local_tokens) // chunk if tracked.hints.hint == NO_HINT else 0
         if whole and len(tracked.block_ids) >= whole and (skip * chunk < whole * self.block_size
                                                            or tracked.verify_blocks):
             meta.saves.append(SaveSpec(req_id, tracked.prompt[: whole * self.block_size], tracked.block_ids[:whole],

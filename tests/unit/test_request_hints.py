@@ -178,14 +178,15 @@ def request(req_id: str, params: Any) -> SimpleNamespace:
                            mm_features=None, prompt_embeds=None, kv_transfer_params=params)
 
 
-def step(side: SchedulerSide, req: SimpleNamespace) -> KVTierMetadata:
-    """Look `req` up, then schedule its whole prompt in one step (as vLLM does for a short prompt)."""
-    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+def step(side: SchedulerSide, req: SimpleNamespace, local: int = 0) -> KVTierMetadata:
+    """Look `req` up (vLLM's own prefix cache holding its first `local` tokens), then schedule the rest of its
+    prompt in one step (as vLLM does for a short prompt)."""
+    assert side.get_num_new_matched_tokens(req, local) == (0, False)
     side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([],)), 0)
     new = SimpleNamespace(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                          block_ids=(list(range(500, 511)),), num_computed_tokens=0)
+                          block_ids=(list(range(500, 511)),), num_computed_tokens=local)
     cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    output = SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={req.request_id: len(PROMPT)},
+    output = SimpleNamespace(preempted_req_ids=set(), num_scheduled_tokens={req.request_id: len(PROMPT) - local},
                              scheduled_new_reqs=[new], scheduled_cached_reqs=cached)
     return side.build_connector_meta(output)  # type: ignore[arg-type]
 
@@ -252,3 +253,13 @@ def test_ignored_hints_are_counted_and_the_request_goes_on():
         for reason, n in counts.get("hints_ignored", {}).items():
             totals[reason] = totals.get(reason, 0) + n
     assert totals == {"retain_s": 1, "priority": 1, "unknown_key": 1, "not_a_map": 1}
+
+
+def test_a_hinted_request_offers_the_chunks_it_did_not_compute_so_its_hint_applies_to_them():
+    side, _ = scheduler()
+    [plain] = step(side, request("r", None), local=4 * BS).saves
+    assert plain.skip_chunks == 1  # vLLM's own cache held the first chunk: not offered again
+    [hinted] = step(side, request("q", {"kvtier": {"retain_s": 60}}), local=4 * BS).saves
+    assert hinted.skip_chunks == 0 and hinted.hint == p.Hint(60.0, 1, "")
+    [hinted] = step(side, request("s", {"kvtier": {"store": True}}), local=4 * BS).saves
+    assert hinted.skip_chunks == 1  # store: true asks nothing of the chunks
