@@ -6,6 +6,8 @@ computation of the same split.
   the L2 directory, and nothing of it loads when it comes again; a plain prompt beside it is in both and reloads.
 * ``test_max_store_tokens_stores_only_that_prefix``: only the whole blocks within the first N tokens are stored,
   and a longer prompt sharing the whole stored prompt loads exactly those.
+* ``test_bad_hints_are_ignored_and_counted``: malformed and unknown fields answer HTTP 200, are counted on the
+  server's `kvtier_hints_ignored_total{reason}`, and the request is stored as without them.
 * ``test_retained_and_session_chunks_survive_a_flood``: a flood of unrelated prompts twice L1's size evicts a
   plain prompt (it reloads nothing) but not one stored with `retain_s` nor a live `session`'s (both reload
   fully); after the session's last turn (`end: true`) the next flood takes the session's chunks, while the
@@ -110,6 +112,25 @@ def test_max_store_tokens_stores_only_that_prefix(rig: Rig):
 
     got = rig.serve(longer, reset=True)  # shares all of `shared`, finds only its stored prefix
     assert got.external == kept and got.out == ref.out, got
+
+
+def test_bad_hints_are_ignored_and_counted(rig: Rig):
+    rig.start_kvtier(0.25)
+    entries = rig.l1_entries()
+    bad = {"kv_transfer_params": {"kvtier": {"retain_s": -1, "priority": "urgent", "colour": "red"}}}
+    served = rig.serve(harness.prompt_ids(PROMPT_LEN, seed=3501), reset=True, **bad)
+    assert served.computed == PROMPT_LEN
+    assert rig.l1_entries() == entries + chunks_of(PROMPT_LEN)  # stored as a request without hints
+    want = {"retain_s": 1, "priority": 1, "unknown_key": 1}
+    deadline = time.monotonic() + 10  # the connector reports its counts once a second
+    while True:
+        m = rig.kv_metrics()
+        got = {r: harness.metric(m, "kvtier_hints_ignored_total", reason=r) for r in want}
+        if got == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert got == want
+    assert harness.metric(m, "kvtier_hints_ignored_total") == 3
 
 
 def test_retained_and_session_chunks_survive_a_flood(rig: Rig):
