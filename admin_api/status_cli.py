@@ -123,6 +123,30 @@ def render_tiers(status: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _by_reason(counts: dict[str, int]) -> str:
+    """`12 (quota 10, capacity 2)`: the total and its non-zero reasons, largest first."""
+    nonzero = sorted(((n, r) for r, n in counts.items() if n), reverse=True)
+    total = sum(n for n, _ in nonzero)
+    return f"{total} ({', '.join(f'{r} {n}' for n, r in nonzero)})" if total else "0"
+
+
+def render_tenants(l1: dict[str, Any]) -> list[str]:
+    """The L1 tenants table, when the server has a quota table (docs/tenants.md)."""
+    if not l1.get("tenant_quotas"):
+        return []
+    rows = []
+    for t in l1.get("tenants", []):
+        asked = t.get("requested_tokens", 0)
+        ratio = f"{100 * t.get('hit_tokens', 0) / asked:.1f} %" if asked else "-"
+        rows.append([str(t.get("tenant", "?"))[:32], human_bytes(t.get("used_bytes", 0)),
+                     human_bytes(t.get("guaranteed_bytes", 0)), human_bytes(t.get("max_bytes", 0)),
+                     str(t.get("entries", 0)), ratio, _by_reason(t.get("evictions", {})),
+                     _by_reason(t.get("refused", {}))])
+    return ["", f"Tenants in L1 ({l1['tenant_quotas']})",
+            table(["TENANT", "USED", "GUARANTEED", "MAX", "CHUNKS", "HIT RATIO", "EVICTIONS", "REFUSED"], rows,
+                  {1, 2, 3, 4, 5})]
+
+
 def render(status: dict[str, Any]) -> str:
     l1 = status.get("l1", {})
     cap, used = l1.get("capacity_bytes", 0), l1.get("used_bytes", 0)
@@ -137,6 +161,7 @@ def render(status: dict[str, Any]) -> str:
         f"    {l1.get('entries', 0)} chunks, {human_bytes(l1.get('pinned_bytes', 0))} pinned, "
         f"{l1.get('leases', 0)} leases, {l1.get('reservations', 0)} open writes",
         *render_tiers(status),
+        *render_tenants(l1),
         "",
     ]
     namespaces = status.get("namespaces", [])
