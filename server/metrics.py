@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from kvtier.server.protocol import RETAINED, SKIP_REASONS, TENANT_GUARANTEE, TENANT_MAX, UNDELIVERED_REASONS
+from kvtier.server.protocol import (
+    HINT_IGNORED_REASONS,
+    RETAINED,
+    SKIP_REASONS,
+    TENANT_GUARANTEE,
+    TENANT_MAX,
+    UNDELIVERED_REASONS,
+)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -44,6 +51,10 @@ class Metrics:
         self.undelivered_tokens = Counter(
             "kvtier_undelivered_tokens", "Prompt tokens a lookup promised that the load did not deliver (the engine "
             "recomputed them), by reason", ["reason"], registry=r,
+        )
+        self.hints_ignored = Counter(
+            "kvtier_hints_ignored", "Request hints a connector ignored (a bad or unknown field), by field",
+            ["reason"], registry=r,
         )
         self.verify_checks = Counter(
             "kvtier_verify_checks", "Sampled hits recomputed by the engine and compared with what kvtier holds, by "
@@ -154,6 +165,8 @@ class Metrics:
             self.identity_skips.labels(reason)
         for reason in UNDELIVERED_REASONS:
             self.undelivered_tokens.labels(reason)
+        for reason in HINT_IGNORED_REASONS:
+            self.hints_ignored.labels(reason)
         for reason in ("too_many_tokens", "not_registered"):
             self.admin_lookups_refused.labels(reason)
 
