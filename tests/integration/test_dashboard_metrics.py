@@ -187,6 +187,11 @@ def workload(port: int) -> None:
             if hits == 1:  # stored already: a skipped store item (reason "exists")
                 assert client.store(ns, tokens, lambda _c: chunk, write).existing
     assert hits > 0
+    # L2's write-behind holds the chunks it has not copied yet: with L1 full of them a store finds no room
+    # (no_space), so the tenant's stores wait until it has caught up.
+    deadline = time.monotonic() + 30
+    while (client.stats() or {}).get("evictable_bytes", 0) < 30 * chunk and time.monotonic() < deadline:
+        time.sleep(0.05)
     # The tenant stores 30 MiB against its 40% maximum (~20 MiB): it sheds its own chunks (reason "quota").
     for tokens in prompts[:30]:
         client.store(tenant_ns, tokens, lambda _c: chunk, write)
