@@ -8,6 +8,7 @@ recompute). Every completion must answer HTTP 200 (harness.http_json raises othe
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -142,6 +143,7 @@ class Rig:
 
 def module_rig(python: Path, model: Path, logdir: Path, l1_gb: float, args: Sequence[str] = ()) -> Rig:
     """A started rig: a kvtier server (`l1_gb`, `args`) first, then vLLM connected to it."""
+    logdir.mkdir(parents=True, exist_ok=True)
     rig = Rig(python, model, logdir)
     try:
         rig.start_kvtier(l1_gb, args)
@@ -151,3 +153,18 @@ def module_rig(python: Path, model: Path, logdir: Path, l1_gb: float, args: Sequ
         rig.stop()
         raise
     return rig
+
+
+def rig_logdir(name: str, tmp_path_factory: Any) -> Path:
+    """The rig's log folder: under KVTIER_E2E_LOGDIR when set (CI keeps it), else a temporary one."""
+    base = os.environ.get("KVTIER_E2E_LOGDIR")
+    return Path(base) / name if base else tmp_path_factory.mktemp(f"{name}-logs")
+
+
+def kill_leftovers(rig: Rig) -> None:
+    """What a test left running besides the module's vLLM and the test's kvtier (conftest's autouse fixture
+    would kill the module's vLLM too)."""
+    with harness._LIVE_LOCK:
+        leftovers = [p for p in harness._LIVE if p is not rig.vllm and p is not rig.kv]
+    for proc in leftovers:
+        proc.kill9()

@@ -18,13 +18,12 @@ One vLLM serves the whole module (hint_rig.py); each test starts its own kvtier 
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
 import harness
 import pytest
-from hint_rig import BLOCK, FULL, PROMPT_LEN, Rig, chunks_of, hints, module_rig
+from hint_rig import BLOCK, FULL, PROMPT_LEN, Rig, chunks_of, hints, kill_leftovers, module_rig, rig_logdir
 
 pytestmark = pytest.mark.e2e
 
@@ -34,10 +33,7 @@ LRU = ["--eviction-policy", "lru"]
 
 @pytest.fixture(scope="module")
 def rig(tiny_model: Path, vllm_python: Path, tmp_path_factory):
-    base = os.environ.get("KVTIER_E2E_LOGDIR")
-    logdir = Path(base) / "test_request_hints" if base else tmp_path_factory.mktemp("hints-logs")
-    logdir.mkdir(parents=True, exist_ok=True)
-    r = module_rig(vllm_python, tiny_model, logdir, L1_GB, LRU)
+    r = module_rig(vllm_python, tiny_model, rig_logdir("test_request_hints", tmp_path_factory), L1_GB, LRU)
     try:
         yield r
     finally:
@@ -48,11 +44,7 @@ def rig(tiny_model: Path, vllm_python: Path, tmp_path_factory):
 def _kill_leftovers(request):
     """Overrides conftest's: the module's vLLM stays up from test to test; kvtier is each test's own."""
     yield
-    rig = request.getfixturevalue("rig")
-    with harness._LIVE_LOCK:
-        leftovers = [p for p in harness._LIVE if p is not rig.vllm and p is not rig.kv]
-    for proc in leftovers:
-        proc.kill9()
+    kill_leftovers(request.getfixturevalue("rig"))
 
 
 def l2_files(l2: Path) -> set[Path]:

@@ -14,12 +14,11 @@ part of B's documents by itself). Every request answers HTTP 200. One vLLM serve
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import harness
 import pytest
-from hint_rig import BLOCK, BLOCK_BYTES, FULL, PROMPT_LEN, Rig, Served, module_rig
+from hint_rig import BLOCK, BLOCK_BYTES, FULL, PROMPT_LEN, Rig, Served, kill_leftovers, module_rig, rig_logdir
 
 pytestmark = pytest.mark.e2e
 
@@ -32,10 +31,7 @@ DOCS = 3  # B's documents: 45 blocks, within its guaranteed half of L1 (128 bloc
 
 @pytest.fixture(scope="module")
 def rig(tiny_model: Path, vllm_python: Path, tmp_path_factory):
-    base = os.environ.get("KVTIER_E2E_LOGDIR")
-    logdir = Path(base) / "test_tenant_quotas" if base else tmp_path_factory.mktemp("quota-logs")
-    logdir.mkdir(parents=True, exist_ok=True)
-    r = module_rig(vllm_python, tiny_model, logdir, L1_GB, LRU)
+    r = module_rig(vllm_python, tiny_model, rig_logdir("test_tenant_quotas", tmp_path_factory), L1_GB, LRU)
     try:
         yield r
     finally:
@@ -46,11 +42,7 @@ def rig(tiny_model: Path, vllm_python: Path, tmp_path_factory):
 def _kill_leftovers(request):
     """Overrides conftest's: the module's vLLM stays up from test to test; kvtier is each test's own."""
     yield
-    rig = request.getfixturevalue("rig")
-    with harness._LIVE_LOCK:
-        leftovers = [p for p in harness._LIVE if p is not rig.vllm and p is not rig.kv]
-    for proc in leftovers:
-        proc.kill9()
+    kill_leftovers(request.getfixturevalue("rig"))
 
 
 def flooded(rig: Rig, args: list[str], seed: int) -> tuple[list[tuple[list[int], list[int], Served]], dict]:
