@@ -16,7 +16,13 @@ from typing import Any
 from kvtier.server.eviction import DEFAULT_POLICY, POLICIES
 from kvtier.server.tenants import QuotaTable
 from kvtier.server.tiers.fs import FsOptions
-from kvtier.server.tiers.remote.options import READ_FROM, RemoteAccess, RemoteOptions, parse_remote_url
+from kvtier.server.tiers.remote.options import (
+    READ_FROM,
+    RemoteAccess,
+    RemoteOptions,
+    parse_remote_url,
+    tenant_names,
+)
 from kvtier.shm.segment import tmpfs_options
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -66,6 +72,8 @@ class ServerConfig:
     l2_odirect: bool = _opt(False, "open L2 files with O_DIRECT (aligned buffers; buffered if the filesystem refuses it)")
     l2_queue_depth: int = _opt(1024, "chunks the L2 write-behind queue holds before L2 copies are dropped")
     l2_eviction_policy: str = _opt("lru", "eviction policy of the L2 tier", choices=sorted(POLICIES))
+    l2_tenant_quotas: str = _opt("", "per-tenant L2 quotas, NAME=GUARANTEED[:MAXIMUM],... in bytes or percent of "
+                                     "--l2-size-gb (empty: none; docs/l2.md, \"Tenants\")")
     remote_url: str = _opt("", "Redis >= 7 / Valkey >= 8 remote tier shared by nodes: redis://[user:password@]"
                                 "host:port[/db], rediss:// for TLS, redis+cluster://host:port,host:port,... "
                                 "(rediss+cluster:// for TLS) for a Cluster (empty: no remote tier)", secret=True)
@@ -95,6 +103,9 @@ class ServerConfig:
                                  choices=list(READ_FROM))
     remote_az: str = _opt("", "this node's availability zone, for --remote-read-from az_affinity (replicas in "
                               "this zone first)")
+    remote_tenants: str = _opt("", "tenants (comma-separated) whose remote keys get their own prefix "
+                                   "<prefix>:t:<tenant> without a quota; those the tenant quota tables name get "
+                                   "one too (docs/remote.md, \"Tenants\")")
     extra_tiers: str = _opt("", "lower tiers after L2 and the remote tier, comma-separated: module:factory or "
                                 "module:factory=ARG, each a factory(ARG, metrics) -> LowerTier (docs/architecture.md, "
                                 "\"Adding a tier\"; empty: none)")
@@ -173,6 +184,8 @@ class ServerConfig:
                              "positive")
         if self.l2_path and (self.l2_bytes <= 0 or self.l2_queue_depth <= 0):
             raise ValueError("--l2-size-gb and --l2-queue-depth must be positive when --l2-path is set")
+        if self.l2_path:
+            self.l2_quota_table()
         if self.remote_url:
             self._validate_remote()
         self._validate_events()
@@ -199,21 +212,42 @@ class ServerConfig:
         if self.remote_breaker_threshold < 1 or self.remote_breaker_reset_s <= 0:
             raise ValueError("--remote-breaker-threshold must be at least 1 and --remote-breaker-reset-s positive")
         self.remote_access.validate(parse_remote_url(self.remote_url))
+        self.remote_tenant_names()
+
+    def remote_tenant_names(self) -> tuple[str, ...]:
+        """The tenants whose remote keys have their own prefix (tiers/remote/tenancy.py): those the quota tables
+        name, then --remote-tenants'; ValueError naming the flag for a bad table or name."""
+        return tenant_names(self.remote_prefix, {"--l1-tenant-quotas": self.l1_tenant_quotas,
+                                                 "--l2-tenant-quotas": self.l2_tenant_quotas},
+                            self.remote_tenants)
 
     @property
     def remote_access(self) -> RemoteAccess:
         return RemoteAccess(self.remote_tls_ca_file, self.remote_tls_cert_file, self.remote_tls_key_file,
                             self.remote_password_file, self.remote_read_from, self.remote_az)
 
+    def l2_quota_table(self) -> QuotaTable | None:
+        """--l2-tenant-quotas parsed and checked against --l2-size-gb (ValueError naming the flag)."""
+        if not self.l2_tenant_quotas.strip():
+            return None
+        try:
+            table = QuotaTable.parse(self.l2_tenant_quotas)
+            table.limits(self.l2_bytes)
+        except ValueError as exc:
+            raise ValueError(f"--l2-tenant-quotas: {exc}") from None
+        return table
+
     def l2_options(self) -> FsOptions:
         """The disk tier's options (server/tiers/fs.py), from the --l2-* flags."""
-        return FsOptions(self.l2_path, self.l2_bytes, self.l2_odirect, self.l2_eviction_policy, self.l2_queue_depth)
+        return FsOptions(self.l2_path, self.l2_bytes, self.l2_odirect, self.l2_eviction_policy, self.l2_queue_depth,
+                         self.l2_quota_table())
 
     def remote_options(self) -> RemoteOptions:
         """The remote tier's options (server/tiers/remote/options.py), from the --remote-* flags."""
         return RemoteOptions(self.remote_url, self.remote_prefix, self.remote_ttl_s, self.remote_timeout_ms,
                              self.remote_connect_timeout_ms, self.remote_breaker_threshold,
-                             self.remote_breaker_reset_s, self.remote_queue_depth, self.remote_access)
+                             self.remote_breaker_reset_s, self.remote_queue_depth, self.remote_access,
+                             self.remote_tenant_names())
 
 
 _PREFIX_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -231,10 +265,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file with any of the keys below (underscored names)")
     for f in dataclasses.fields(ServerConfig):
         kind = type(f.default)
+        text = f.metadata["help"].replace("%", "%%")  # argparse %-formats help ("30% of L1")
         if kind is bool:
             parser.add_argument(
                 flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                help=f"{f.metadata['help']} (env {env_name(f.name)}=0/1, default {f.default!r})",
+                help=f"{text} (env {env_name(f.name)}=0/1, default {f.default!r})",
             )
             continue
         parser.add_argument(
@@ -243,7 +278,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             type=kind,
             default=None,
             choices=f.metadata.get("choices"),
-            help=f"{f.metadata['help']} (env {env_name(f.name)}, default {f.default!r})",
+            help=f"{text} (env {env_name(f.name)}, default {f.default!r})",
         )
 
 

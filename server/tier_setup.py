@@ -40,6 +40,7 @@ def make_tiers(config: ServerConfig, store: L1Store, segment: np.ndarray, metric
         tier = tier_factory(kind)(options, metrics)
         if tier.name == L1 or any(t.name == tier.name for t in tiers):
             raise ValueError(f"a lower tier is named {tier.name!r}, the name of another tier")
+        tier.know_namespaces(store.namespaces.get)
         depth = getattr(options, "queue_depth", EXTRA_QUEUE_DEPTH)
         tiers.append(AttachedTier(store, segment, tier, depth, metrics, tier.m))
     return tiers

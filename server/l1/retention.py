@@ -41,7 +41,8 @@ class Session:
 
 class Retention:
     def __init__(self, keep: Callable[[Entry, bool], None], is_stored: Callable[[Entry], bool],
-                 clock: Callable[[], float], bounds: HintBounds = DEFAULT_BOUNDS) -> None:
+                 clock: Callable[[], float], bounds: HintBounds = DEFAULT_BOUNDS,
+                 refused: Callable[[], None] = lambda: None) -> None:
         self._keep = keep
         self._is_stored = is_stored
         self._clock = clock
@@ -50,6 +51,7 @@ class Retention:
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._timed: list[tuple[float, int, Entry]] = []  # (until, tie-break, entry)
         self.refused_sessions = 0  # stores naming a session beyond max_sessions
+        self._refused = refused
 
     def apply(self, entry: Entry, hint: p.Hint) -> None:
         """Keep a stored (or re-offered) chunk as its request's hint asks."""
@@ -67,6 +69,7 @@ class Retention:
                 session = self.sessions[hint.session] = Session(now)
             if session is None:
                 self.refused_sessions += 1
+                self._refused()
             else:
                 session.last = now
                 if entry.session and entry.session != hint.session:  # another session keeps it now

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.server.events import Event, Stored
+from kvtier.server.keys import Namespace
 from kvtier.server.metrics import TierMetrics
 from kvtier.server.tiers.record import ChunkMeta
 
@@ -106,6 +107,10 @@ class LowerTier(ABC):
         """Serving loop: the tier's own facts for the `stats` op and /status, beyond what AttachedTier reports
         for every tier; keys prefixed with its name ("remote_url"). Default: none."""
         return {}
+
+    def know_namespaces(self, lookup: Callable[[bytes], Namespace | None]) -> None:  # noqa: B027 - optional hook
+        """Before the scan: how the tier finds a registered namespace by its fingerprint (any thread; None:
+        not registered), e.g. to count a chunk to its tenant. Default: not needed."""
 
     def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """At shutdown, after the writer stopped: stop the tier's own threads, close its connections."""

@@ -206,7 +206,7 @@ class Promotions:
         loop = self._loop
         promo = Promotion(meta, Entry(meta.key, meta.ns, meta.size, meta.blocks, (), meta.aliases),
                           loop.create_future() if loop is not None else None, self._epochs(meta.ns))
-        extents = store.begin_insert(meta.key, meta.size, promo, admit=False)  # a store of it is "busy" now
+        extents = store.begin_insert(meta.key, meta.size, promo, admit=False, fp=meta.ns)  # "busy" now
         if isinstance(extents, str):
             return None
         promo.entry.extents = extents

@@ -284,7 +284,7 @@ def test_reconfigure_resize_returns_memory_and_refuses_below_pins(srv, client):
     assert srv.http.post("/cache/pin", json={"namespace": NS.fingerprint().hex(), "token_ids": pinned},
                          headers=AUTH).json()["entries"] == 4
     r = srv.http.post("/reconfigure", json={"l1_size_bytes": 3 * PAGE}, headers=AUTH)
-    assert r.status_code == 409 and "pinned or leased" in r.json()["detail"]
+    assert r.status_code == 409 and "pinned, leased or kept" in r.json()["detail"]
     assert srv.http.get("/status").json()["l1"]["capacity_bytes"] == 64 << 20
     r = srv.http.post("/reconfigure", json={"l1_size_bytes": 8 * PAGE}, headers=AUTH)
     assert r.status_code == 200, r.text

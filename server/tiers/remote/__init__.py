@@ -14,6 +14,13 @@ Layout (`<ns>`, `<key>`: hex of the namespace fingerprint and the chunk key):
 The hash tag is the chunk key: a chunk's header and parts live in one Cluster slot, and a prompt's chunks
 spread over every master.
 
+Tenants (tenancy.py): a namespace of a named tenant (its cache salt, tenants.py's `tenant_of`, among the
+quota tables' names and --remote-tenants) has its keys under `<prefix>:t:<tenant>:` instead of `<prefix>:`,
+the rest as above, so that an ACL user limited to `~<prefix>:t:<tenant>:*` reaches that tenant's keys only;
+the default tenant's keys keep the layout from before tenants. The tier sees fingerprints: the base of each
+comes from its namespace's salt on this node (a namespace not registered here cannot be named: a miss, a
+skipped write).
+
 Writes (`put`, write-behind threads): skipped when the header exists (another node wrote it: `existing`);
 else the parts (one non-atomic batch), then the header with SET NX, then the chunk is added as a holder to
 each alias key (`_add_holder`), all with the TTL (parts a little longer, so a header never outlives its parts
@@ -62,8 +69,8 @@ refreshed every few seconds off the loop; capacity 0 = no limit), `entries` the 
 knows to be there, `written`/`written_bytes` what this node wrote. The store owns capacity (maxmemory with
 a volatile-* or allkeys-* policy): nothing here evicts; a store that cannot evict is warned of at start.
 
-Modules (one job each): layout.py (key names, part sizing, the alias record, the slot), options.py (the
-tier's options: URL, access), nodes.py (slot map, clients, calls under breakers), writes.py, reads.py,
+Modules (one job each): layout.py (key names, part sizing, the alias record, the slot), tenancy.py (a
+namespace's key base), options.py (the tier's options: URL, access, tenants), nodes.py (slot map, clients, calls under breakers), writes.py, reads.py,
 lookups.py (presence cache, probes, remove), maintenance.py (TTL refresh, breaker PINGs, INFO, password
 reload), metrics.py (kvtier_remote_*), tier.py (`RemoteTier`, `make_tier`). What any networked tier needs
 (presence cache, prober, breakers) is in ../networked/. Importing this package imports nothing of glide;

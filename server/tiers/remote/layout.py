@@ -1,13 +1,16 @@
-"""The remote tier's layout in the store: key names, part sizing, the alias record format, the Cluster slot
-(the package docstring, __init__.py, draws the keys). No I/O, nothing of glide."""
+"""The remote tier's layout in the store: key names (a named tenant's under its own base), part sizing, the
+alias record format, the Cluster slot (the package docstring, __init__.py, draws the keys). No I/O, nothing of
+glide."""
 
 from __future__ import annotations
 
 import binascii
+import re
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvtier.server.tenants import DEFAULT_TENANT
 from kvtier.server.tiers.record import hasher
 
 PART_BYTES = 1 << 20  # one value per MiB: multi-MB values move ~2.5x slower (reference/remote-tier.md)
@@ -18,15 +21,37 @@ ALIAS_HOLDERS = 8  # holders a probe tries per alias key (the newest) and a comp
 ALIAS_COMPACT_BYTES = 2 * ALIAS_HOLDERS * ALIAS.size  # an alias value grown past this is compacted by its writer
 PART_TTL_MARGIN_MS = 60_000  # parts outlive their header by this much
 CLUSTER_SLOTS = 16384
+TENANT_TAG = "t"  # <prefix>:t:<tenant>:... holds a named tenant's keys (a namespace's hex is never "t")
+# A tenant name that can be a key base: tenants.py's names less ":" (the ACL pattern `~<prefix>:t:a:*` would
+# also match tenant "a:b"'s keys), none of them special in a SCAN or ACL glob.
+_TENANT_NAME = re.compile(r"^[A-Za-z0-9_.@/+-]{1,128}$")
 
 
-def key_name(prefix: str, ns: bytes, key: bytes, suffix: str) -> str:
-    """`<prefix>:<ns>:{<key>}:<suffix>`: "h" (header), "a" (alias holders), "<gen>:<i>" (part i)."""
-    return f"{prefix}:{ns.hex()}:{{{key.hex()}}}:{suffix}"
+def tenant_base(prefix: str, tenant: str) -> str:
+    """Where `tenant`'s keys start: the prefix itself for the default tenant (the layout from before
+    tenants), `<prefix>:t:<tenant>` for a named one; ValueError for a name that cannot be one."""
+    if tenant == DEFAULT_TENANT:
+        return prefix
+    if not _TENANT_NAME.match(tenant):
+        raise ValueError(f"tenant {tenant!r} cannot name remote keys: use 1-128 of A-Z a-z 0-9 _ . @ / + - "
+                         "(no ':', which would let one tenant's ACL key pattern match another's keys)")
+    return f"{prefix}:{TENANT_TAG}:{tenant}"
 
 
-def part_key_name(prefix: str, ns: bytes, key: bytes, gen: bytes, i: int) -> str:
-    return key_name(prefix, ns, key, f"{gen.hex()}:{i}")
+def acl_key_pattern(prefix: str, tenant: str) -> str:
+    """The ACL key pattern (`~...`) that grants `tenant`'s keys and no other tenant's (the default tenant's:
+    every key under the prefix)."""
+    return f"~{tenant_base(prefix, tenant)}:*"
+
+
+def key_name(base: str, ns: bytes, key: bytes, suffix: str) -> str:
+    """`<base>:<ns>:{<key>}:<suffix>` (`base`: `tenant_base`): "h" (header), "a" (alias holders), "<gen>:<i>"
+    (part i)."""
+    return f"{base}:{ns.hex()}:{{{key.hex()}}}:{suffix}"
+
+
+def part_key_name(base: str, ns: bytes, key: bytes, gen: bytes, i: int) -> str:
+    return key_name(base, ns, key, f"{gen.hex()}:{i}")
 
 
 def parts_of(size: int) -> int:

@@ -38,8 +38,8 @@ class Lookups:
         when the run reaches a chunk it does not know, after starting a probe for the rest of the run.
         `ns`: the lookup's namespace (its keys' names need it); without it, the namespaces this tier saw."""
         now = time.monotonic()
-        if ns is not None:
-            self._learn(ns)
+        if ns is not None and not self._learn(ns):
+            return []  # its keys cannot be named (not registered here): a miss
         with self._lock:
             namespaces = [ns] if ns is not None else list(self._namespaces)
         out: list[tuple[ChunkMeta, int]] = []
@@ -77,6 +77,7 @@ class Lookups:
 
     def _probe(self, namespaces: list[bytes], chunks: list[list[bytes]]) -> None:
         """Probe thread: ask the store about the keys that decide the run, a round at a time."""
+        namespaces = [ns for ns in namespaces if self.tenancy.known(ns)]
         for _ in range(PROBE_ROUNDS):
             keys = self._undecided(chunks)
             if not keys:
@@ -199,6 +200,8 @@ class Lookups:
         self.report(Removed(self.name, meta.ns, key, reason))
 
         def delete() -> None:
+            if not self.tenancy.known(meta.ns):  # forgotten meanwhile: it expires
+                return
             node, client = self._node_of(key), self._client(primary=True)
             try:
                 header = self._call(node, "put", lambda: client.get(self._key(meta.ns, key, "h")))
@@ -211,10 +214,15 @@ class Lookups:
         return True
 
 
-    def _learn(self, ns: bytes) -> None:
+    def _learn(self, ns: bytes) -> bool:
+        """Remember namespace `ns` for lookups that do not name theirs; False (not remembered) when its keys
+        cannot be named (its tenant cannot be told: tenancy.py)."""
+        if not self.tenancy.known(ns):
+            return False
         with self._lock:
             self._namespaces[ns] = None
             self._namespaces.move_to_end(ns)
             while len(self._namespaces) > NAMESPACES_MAX:
                 self._namespaces.popitem(last=False)
+        return True
 

@@ -45,9 +45,11 @@ class RemoteMetrics(TierMetrics):
         )
         self.skipped_writes = Counter(
             "kvtier_remote_skipped_writes", "Remote writes not sent, by reason (full: the chunk's node answered OOM "
-            "less than its back-off ago; writes to it resume after it)", ["reason"], registry=r,
+            "less than its back-off ago; writes to it resume after it; namespace: the chunk's namespace was "
+            "forgotten before the write, so its tenant's keys cannot be named)", ["reason"], registry=r,
         )
         self.skipped_writes.labels("full")
+        self.skipped_writes.labels("namespace")
         self.breaker_open = Gauge("kvtier_remote_breaker_open", "1 while the circuit breaker of a remote node is "
                                   "open (its calls are misses and dropped writes), else 0", ["node"], registry=r)
         for op in ("get", "put", "probe"):

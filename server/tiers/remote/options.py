@@ -1,6 +1,7 @@
 """The remote tier's own options: its --remote-url parsed (`RemoteUrl`), how it reaches the store beyond the
-URL (`RemoteAccess`: TLS, password file, where reads go), and `RemoteOptions`, everything the tier is made
-with (server/config.py fills it from its --remote-* flags). Nothing of glide: config.py imports this."""
+URL (`RemoteAccess`: TLS, password file, where reads go), the tenants given their own key prefix
+(`tenant_names`), and `RemoteOptions`, everything the tier is made with (server/config.py fills it from its
+--remote-* flags and the quota tables). Nothing of glide: config.py imports this."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote
+
+from kvtier.server.tenants import DEFAULT_TENANT, MAX_TENANTS, QuotaTable
+from kvtier.server.tiers.remote.layout import tenant_base
 
 READ_FROM = ("primary", "prefer_replica", "az_affinity")  # --remote-read-from: glide's ReadFrom of the same name
 _SCHEMES = {"redis": (False, False), "rediss": (True, False), "redis+cluster": (False, True),
@@ -92,6 +96,28 @@ def parse_remote_url(url: str) -> RemoteUrl:
     return RemoteUrl(nodes, tls, cluster, unquote(username), unquote(password), db)
 
 
+def tenant_names(prefix: str, tables: dict[str, str], extra: str) -> tuple[str, ...]:
+    """The tenants whose keys get their own prefix: those the quota `tables` (flag -> its text) name, then the
+    comma-separated `extra` (--remote-tenants), each once, the default tenant left out; ValueError naming the
+    flag for a bad table or a name that cannot be a key prefix (layout.tenant_base)."""
+    names: list[str] = []
+    for flag, text in [*tables.items(), ("--remote-tenants", extra)]:
+        try:
+            if flag == "--remote-tenants":
+                given = [n.strip() for n in text.split(",") if n.strip()]
+                if len(given) > MAX_TENANTS:
+                    raise ValueError(f"at most {MAX_TENANTS} tenants")
+            else:
+                given = list(QuotaTable.parse(text).names)
+            for name in given:
+                if name != DEFAULT_TENANT:
+                    tenant_base(prefix, name)
+                    names.append(name)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from None
+    return tuple(dict.fromkeys(names))
+
+
 def _host_port(text: str) -> tuple[str, int]:
     if text.startswith("["):  # [IPv6]:port
         host, _, port = text[1:].partition("]")
@@ -118,3 +144,4 @@ class RemoteOptions:
     breaker_reset_s: float = 5.0
     queue_depth: int = 256
     access: RemoteAccess = field(default_factory=lambda: RemoteAccess())
+    tenants: tuple[str, ...] = ()  # tenants whose keys live under <prefix>:t:<tenant> (tenancy.py)

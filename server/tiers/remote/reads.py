@@ -33,6 +33,8 @@ class Reads:
         shows missing or damaged is read again from the primary (`primary`), whose verdict is final: a replica
         may lag behind, so nothing is deleted or counted on its word."""
         primary = primary or self.access.read_from == "primary"
+        if not self.tenancy.known(meta.ns):  # its keys cannot be named (forgotten here since the lookup)
+            return False
         node, client = self._node_of(meta.key), self._client(primary, resize=True)
         hkey = self._key(meta.ns, meta.key, "h")
         start = time.perf_counter()

@@ -10,12 +10,13 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import glide_sync as glide
 from kvtier.server.events import Cleared as ClearedEvent
+from kvtier.server.keys import Namespace
 from kvtier.server.metrics import Metrics
 from kvtier.server.tiers.bandwidth import BandwidthMeter
 from kvtier.server.tiers.base import Cleared, LowerTier
@@ -26,9 +27,10 @@ from kvtier.server.tiers.remote.layout import PART_BYTES, key_name, part_key_nam
 from kvtier.server.tiers.remote.lookups import Lookups
 from kvtier.server.tiers.remote.maintenance import Maintenance
 from kvtier.server.tiers.remote.metrics import RemoteMetrics
-from kvtier.server.tiers.remote.nodes import TLS_HINT, Nodes, Unavailable, full, node_failure
+from kvtier.server.tiers.remote.nodes import TLS_HINT, Nodes, Unavailable, denied, full, node_failure
 from kvtier.server.tiers.remote.options import RemoteAccess, RemoteOptions, RemoteUrl, parse_remote_url
 from kvtier.server.tiers.remote.reads import Reads
+from kvtier.server.tiers.remote.tenancy import Tenancy
 from kvtier.server.tiers.remote.writes import Writes
 
 log = logging.getLogger("kvtier.server.remote")
@@ -40,7 +42,7 @@ def make_tier(options: RemoteOptions, metrics: Metrics) -> RemoteTier:
     """The registry's factory: the tier `options` describe, counting into `metrics` (kvtier_remote_*)."""
     return RemoteTier(options.url, options.prefix, options.ttl_s, options.timeout_ms, options.breaker_threshold,
                       options.breaker_reset_s, RemoteMetrics(metrics), connect_timeout_ms=options.connect_timeout_ms,
-                      access=options.access)
+                      access=options.access, tenancy=Tenancy(options.prefix, options.tenants))
 
 
 class RemoteTier(Nodes, Writes, Reads, Lookups, Maintenance, LowerTier):
@@ -52,7 +54,7 @@ class RemoteTier(Nodes, Writes, Reads, Lookups, Maintenance, LowerTier):
     def __init__(self, url: str, prefix: str = "kvtier", ttl_s: float = 86400.0, timeout_ms: int = 200,
                  breaker_threshold: int = 5, breaker_reset_s: float = 5.0,
                  metrics: RemoteMetrics | None = None, connect_timeout_ms: int = 1000,
-                 access: RemoteAccess | None = None) -> None:
+                 access: RemoteAccess | None = None, tenancy: Tenancy | None = None) -> None:
         self.url: RemoteUrl = parse_remote_url(url)
         self.access = access if access is not None else RemoteAccess()
         self.access.validate(self.url)
@@ -62,6 +64,7 @@ class RemoteTier(Nodes, Writes, Reads, Lookups, Maintenance, LowerTier):
         self._password_error = ""  # the last reason the password file could not be read (logged once)
         self.path = self.url.redacted()  # where the tier is, for logs and status (no password)
         self.prefix = prefix
+        self.tenancy = tenancy if tenancy is not None else Tenancy(prefix)  # which base a namespace's keys have
         self.ttl_ms = round(ttl_s * 1000)
         self.timeout_ms = timeout_ms
         self.connect_timeout_ms = connect_timeout_ms  # floor of a connection's setup (a cold TLS one: several RTTs)
@@ -97,14 +100,18 @@ class RemoteTier(Nodes, Writes, Reads, Lookups, Maintenance, LowerTier):
         self._threads[0].start()
         self._threads.append(self._prober.thread)
 
+    def know_namespaces(self, lookup: Callable[[bytes], Namespace | None]) -> None:
+        """A namespace's tenant, hence its keys' base, comes from its cache salt (tenancy.py)."""
+        self.tenancy.lookup = lookup
+
     def _gauge_breaker(self, node: str, brk: Breaker) -> None:
         self.m.breaker_open.labels(node).set_function(lambda: float(brk.open))
 
     def _key(self, ns: bytes, key: bytes, suffix: str) -> str:
-        return key_name(self.prefix, ns, key, suffix)
+        return key_name(self.tenancy.base(ns), ns, key, suffix)
 
     def _part_key(self, ns: bytes, key: bytes, gen: bytes, i: int) -> str:
-        return part_key_name(self.prefix, ns, key, gen, i)
+        return part_key_name(self.tenancy.base(ns), ns, key, gen, i)
 
     # -- accounting ------------------------------------------------------------------------------
 
@@ -145,25 +152,26 @@ class RemoteTier(Nodes, Writes, Reads, Lookups, Maintenance, LowerTier):
         return [node for node in self._masters() if self._breakers.is_open(node)]
 
     def clear(self, ns: bytes | None = None) -> Cleared:
-        """SCAN MATCH this prefix's keys (of `ns`) on every master and UNLINK them. `entries` counts chunk
-        headers removed; `nbytes` is 0 (sizes are not read); `failed` counts headers not removed, plus one
-        when the scan itself stopped early (then more may be left: they expire)."""
+        """SCAN MATCH this prefix's keys (of `ns`; each tenant's base: tenancy.py) on every master and UNLINK
+        them. `entries` counts chunk headers removed; `nbytes` is 0 (sizes are not read); `failed` counts
+        headers not removed (e.g. another tenant's that this user may not touch), plus one per scan that
+        stopped early (then more may be left: they expire)."""
         self._presence.forget(ns)
-        pattern = f"{self.prefix}:{ns.hex()}:*" if ns is not None else f"{self.prefix}:*"
         client = self._client()
         removed = failed = 0
-        try:
-            for keys in self._scan(client, pattern):
-                headers = sum(k.endswith(b":h") for k in keys)
-                try:
-                    client.unlink(keys)
-                    removed += headers
-                except glide.GlideError as exc:
-                    failed += headers
-                    log.warning("remote clear: UNLINK of %d keys failed: %s", len(keys), exc)
-        except glide.GlideError as exc:
-            failed += 1
-            log.warning("remote clear of %s stopped early: %s", pattern, exc)
+        for pattern in self.tenancy.clear_patterns(ns):
+            try:
+                for keys in self._scan(client, pattern):
+                    headers = sum(k.endswith(b":h") for k in keys)
+                    try:
+                        client.unlink(keys)
+                        removed += headers
+                    except glide.GlideError as exc:
+                        failed += headers
+                        log.warning("remote clear: UNLINK of %d keys failed: %s", len(keys), exc)
+            except glide.GlideError as exc:
+                failed += 1
+                log.warning("remote clear of %s stopped early: %s", pattern, exc)
         self._presence.forget(ns)  # what probes recorded while the keys went
         self.report(ClearedEvent(self.name, ns))
         return Cleared(removed, 0, failed)
@@ -192,23 +200,27 @@ class RemoteTier(Nodes, Writes, Reads, Lookups, Maintenance, LowerTier):
         self._warn_unbounded()
         tag = os.urandom(16)
         node, client = self._node_of(tag), self._client(primary=True)  # its GET follows its SET at once
-        probe_key = f"{self.prefix}:probe:{{{tag.hex()}}}"
         data, back = os.urandom(PART_BYTES), memoryview(bytearray(PART_BYTES))
-        try:
-            t0 = time.perf_counter()
-            self._call(node, "put", lambda: client.set(probe_key, data, expiry=glide.ExpirySet(
-                glide.ExpiryType.MILLSEC, 60_000)))
-            t1 = time.perf_counter()
-            self._call(node, "get", lambda: client.get(probe_key, buffer=back))
-            t2 = time.perf_counter()
-            self._call(node, "put", lambda: client.unlink([probe_key]))
-        except (Unavailable, glide.RequestError) as exc:
-            if full(exc):  # it answered: full (logged), writes pause
-                self._filled(node)
+        for base in self.tenancy.bases():  # the first base this user may write (an ACL limited to a tenant's)
+            probe_key = f"{base}:probe:{{{tag.hex()}}}"
+            try:
+                t0 = time.perf_counter()
+                self._call(node, "put", lambda k=probe_key: client.set(k, data, expiry=glide.ExpirySet(
+                    glide.ExpiryType.MILLSEC, 60_000)))
+                t1 = time.perf_counter()
+                self._call(node, "get", lambda k=probe_key: client.get(k, buffer=back))
+                t2 = time.perf_counter()
+                self._call(node, "put", lambda k=probe_key: client.unlink([k]))
+                break
+            except (Unavailable, glide.RequestError) as exc:
+                if denied(exc) and base != self.tenancy.prefix:
+                    continue  # not this tenant's user: the next base
+                if full(exc):  # it answered: full (logged), writes pause
+                    self._filled(node)
+                    return 0
+                log.warning("remote store %s did not answer at start-up (%s): lookups miss and writes drop until "
+                            "it does%s", self.path, str(exc).strip() or "unavailable", TLS_HINT if self.url.tls else "")
                 return 0
-            log.warning("remote store %s did not answer at start-up (%s): lookups miss and writes drop until "
-                        "it does%s", self.path, str(exc).strip() or "unavailable", TLS_HINT if self.url.tls else "")
-            return 0
         self._bw.add(PART_BYTES, t0, t1)
         self._bw.add(PART_BYTES, t1, t2)
         log.info("remote store %s: RTT %.2f ms, 1 MiB SET %.0f MB/s, GET %.0f MB/s", self.path, self._rtt * 1e3,

@@ -43,8 +43,12 @@ class Writes:
     def put(self, meta: ChunkMeta, payload: Any, keep: Callable[[], bool] | None = None) -> bool:
         """Write a chunk (its bytes, or `prepare`'s result) unless the store has it; False when it was there,
         or the write was dropped (breaker open, timeout, server error: counted) or not sent (its node answered
-        OOM less than its back-off ago: counted as skipped, "full")."""
-        self._learn(meta.ns)
+        OOM less than its back-off ago: counted as skipped, "full"; or its namespace was forgotten before
+        the write, so its tenant's keys cannot be named: "namespace")."""
+        if not self._learn(meta.ns):
+            self.skipped += 1
+            self.m.skipped_writes.labels("namespace").inc()
+            return False
         if self.contains(meta.key):
             return False
         node = self._node_of(meta.key)
