@@ -98,7 +98,8 @@ class StoreMachine(RuleBasedStateMachine):
         it = item(family, blocks, size)
         store, holds = self.store, self.holds
         needed = store.pool.pages_for(size)
-        room = store.pool.free_pages + store.evictable_pages
+        free = store.pool.free_pages
+        room = free + store.evictable_pages
         found = store.index.get(it.key)
         exists = found is not None and found[1] >= blocks
         busy = it.key in store.busy
@@ -113,6 +114,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert result == [p.REFUSED, p.TOO_LARGE]
         elif room < needed:
             assert result == [p.REFUSED, p.NO_SPACE]
+        elif result == [p.REFUSED, p.NOT_ADMITTED]:  # the policy's admission: asked only when it must evict
+            assert free < needed
         else:
             assert result[0] == p.RESERVED, f"store refused although {room} pages could be had for {needed}"
             rid, extents = result[1], result[2]
