@@ -77,6 +77,7 @@ class Cache:
         self.store = store
         self.holds = holds
         self.metrics = metrics
+        self._l1_hits = metrics.hit_tokens.labels(L1)  # counted on every lookup that hits
         self.tiers = list(tiers)
         self.bus = events.Bus()  # what every tier stores and removes (server/events.py)
         store.listeners.append(L1Reporter(self.bus))
@@ -96,7 +97,6 @@ class Cache:
     def close(self, timeout: float = 5.0) -> None:
         for tier in self.tiers:
             tier.close(timeout)
-        self.store.update_gauges()
 
     def tier(self, name: str) -> AttachedTier | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -186,7 +186,7 @@ class Cache:
         if not found.hits:
             return
         if found.tiers[-1] == L1:  # the common case (lower-tier hits follow the L1 prefix): one sum
-            m.hit_tokens.labels(L1).inc(sum(map(itemgetter(1), found.hits)) * block_size)
+            self._l1_hits.inc(sum(map(itemgetter(1), found.hits)) * block_size)
             return
         per_tier: dict[str, int] = {}
         for (_, match), tier in zip(found.hits, found.tiers, strict=True):
@@ -232,7 +232,6 @@ class Cache:
         finally:
             for entry in held:
                 store.unhold(entry)
-            store.update_gauges()
 
     def bandwidths(self) -> dict[str, float]:
         """Measured read bandwidth per lower tier, bytes/s (0.0: not measured yet), for lookup replies."""

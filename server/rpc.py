@@ -62,6 +62,9 @@ class RequestHandler:
             "gpu_load": lambda ident, m: self._gpu().load(ident, m),
             "end_session": self._end_session,
         }
+        # each op's metric children, looked up once (a `labels()` call per request costs more than the count)
+        self._per_op = {op: (self.metrics.requests.labels(op), self.metrics.request_latency.labels(op))
+                        for op in self._ops}
 
     def handle(self, ident: bytes, frame: bytes) -> bytes | Awaitable[bytes]:
         """One request frame in, one reply frame out; or an awaitable of the reply frame when the op must
@@ -82,8 +85,9 @@ class RequestHandler:
         except Exception as exc:
             reply = self._error(op, rid, exc)
         if op != "?":
-            self.metrics.requests.labels(op).inc()
-            self.metrics.request_latency.labels(op).observe(time.perf_counter() - started)
+            count, latency = self._per_op[op]
+            count.inc()
+            latency.observe(time.perf_counter() - started)
         return p.pack(reply)
 
     async def _deferred(self, op: str, rid: int, started: float, pending: Awaitable[dict[str, Any]]) -> bytes:
@@ -91,8 +95,9 @@ class RequestHandler:
             reply = await pending
         except Exception as exc:
             reply = self._error(op, rid, exc)
-        self.metrics.requests.labels(op).inc()
-        self.metrics.request_latency.labels(op).observe(time.perf_counter() - started)
+        count, latency = self._per_op[op]
+        count.inc()
+        latency.observe(time.perf_counter() - started)
         return p.pack(reply)
 
     def _error(self, op: str, rid: int, exc: Exception) -> dict[str, Any]:

@@ -166,7 +166,6 @@ def _adopt(files: L1Files, num_pages: int, page_size: int, half: int, policy: Ev
     writer = L1Journal(journal, metrics)
     writer.carry(kept, replayed.namespaces, replayed.groups)  # the log becomes a snapshot of what is adopted
     store.attach_journal(writer)
-    store.update_gauges()
     metrics.l1_adopted.set(len(kept))
     metrics.l1_journal_bytes.set_function(lambda: journal.length)
     if replayed.dropped:

@@ -60,6 +60,8 @@ class Holds:
         self.on_client_gone: list[Callable[[bytes], None]] = []
         self.retention = Retention(store.keep, lambda e: store.entries.get(e.key) is e, clock, hints,
                                    metrics.hint_sessions_refused.inc)
+        metrics.clients.set_function(lambda: len(self.clients))  # read when scraped
+        metrics.hint_sessions.set_function(lambda: len(self.retention.sessions))
 
     # -- clients ---------------------------------------------------------------------------------
 
@@ -71,7 +73,6 @@ class Holds:
             raise p.ProtocolError(p.BAD_REQUEST, "lock must name a client lock file beside the segment that "
                                   "the client holds (docs/protocol.md)")
         self.clients[ident] = ClientState(ident, instance, pid, self.clock(), lock)
-        self.update_gauges()
 
     def client(self, ident: bytes) -> ClientState:
         state = self.clients.get(ident)
@@ -97,7 +98,6 @@ class Holds:
             self._lapse_lease(self.leases[lid])
         if client.reservations or client.leases:
             self.retired[id(client)] = client
-        self.update_gauges()
 
     def register(self, namespace: Namespace, owner: ClientState | None = None) -> bytes:
         fp = namespace.fingerprint()
@@ -163,7 +163,6 @@ class Holds:
             self.reservations[res.rid] = res
             owner.reservations.add(res.rid)
             results.append([p.RESERVED, res.rid, list(got)])
-        store.update_gauges()
         return results
 
     def commit(self, owner: ClientState, rids: Iterable[int],
@@ -194,7 +193,6 @@ class Holds:
                 committed(entry)
             done += 1
         self.store.shed("resize")  # commits after a shrink leave as they commit
-        self.store.update_gauges()
         return done
 
     def abort(self, owner: ClientState, rids: Iterable[int]) -> int:
@@ -207,7 +205,6 @@ class Holds:
             self._finish_reservation(res)
             self.store.pool.release(res.extents)
             done += 1
-        self.store.update_gauges()
         return done
 
     def _writing(self, lock: str, rid: int) -> contextlib.AbstractContextManager[None]:
@@ -287,7 +284,6 @@ class Holds:
         self._settled(lease.owner)
         for entry in lease.entries:
             self.store.unhold(entry)
-        self.store.update_gauges()
 
     def _lapse_lease(self, lease: Lease) -> None:
         """The read no longer counts; its entries stay put (readers held) until the client releases."""
@@ -325,8 +321,6 @@ class Holds:
             self._free_holdings(client)
         named = {fp for c in self.clients.values() for fp in c.namespaces}
         self.store.forget_namespaces(named | {r.ns for r in self.reservations.values()})
-        self.update_gauges()
-        self.store.update_gauges()
         self.metrics.held_back_bytes.set(sum(self.held_back().values()) * self.store.pool.page_size)
 
     def _quarantine_over(self, group: Unheld, now: float) -> bool:
@@ -388,8 +382,6 @@ class Holds:
             self._free_holdings(client)
         for old in [c for c in self.retired.values() if c.ident == ident]:
             self._free_holdings(old)
-        self.update_gauges()
-        self.store.update_gauges()
 
     def held_back(self) -> dict[int, int]:
         """Pages held back per retired or registered client (by id()): lapsed reservations, and the entries
@@ -406,6 +398,3 @@ class Holds:
 
     # -- reporting -------------------------------------------------------------------------------
 
-    def update_gauges(self) -> None:
-        self.metrics.clients.set(len(self.clients))
-        self.metrics.hint_sessions.set(len(self.retention.sessions))

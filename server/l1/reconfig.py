@@ -48,5 +48,4 @@ def set_quotas(store: L1Store, table: QuotaTable | None) -> dict:
     for tenant in list(book.usage):
         n, b = store.evict_while(lambda t=tenant: book.over_max(t, 0), "quota", book.own(tenant))
         evicted, freed = evicted + n, freed + b
-    store.update_gauges()
     return {"table": table.text() if table is not None else "", "evicted_entries": evicted, "evicted_bytes": freed}

@@ -58,7 +58,13 @@ class L1Store:
         self.quarantine: list[Unheld] = []  # pages an earlier daemon's writers may still touch (adopted L1)
         self.quarantine_until = 0.0  # when the groups no client writes leave it
         self._touch_backlog: list[list[tuple[Entry, int]]] = []
-        metrics.l1_capacity.set(pool.num_pages * pool.page_size)
+        # L1's gauges are read when scraped, not set on every change: no work on the serving loop for them
+        ps = pool.page_size
+        metrics.l1_capacity.set_function(lambda: self.pool.num_pages * ps)
+        metrics.l1_used.set_function(lambda: self.pool.used_pages * ps)
+        metrics.entries.labels(L1).set_function(lambda: len(self.entries))
+        metrics.pinned_bytes.set_function(lambda: self.pinned_pages * ps)
+        metrics.kept_bytes.set_function(lambda: self.kept_pages * ps)
 
     def attach_journal(self, journal: L1Journal) -> None:
         """Journal from now on: commits and removals here (before any other listener hears of them), pages at
@@ -193,7 +199,6 @@ class L1Store:
                 continue
             done.add(id(entry))
             self.hold(entry, 0, pins=delta)
-        self.update_gauges()
         return found, missing, len(done)
 
     def held_pages(self) -> int:
@@ -301,7 +306,6 @@ class L1Store:
         for group in over:
             self.pool.release(group.extents)
         self.metrics.l1_quarantined.set(extent_pages(self.quarantined) * self.pool.page_size)
-        self.update_gauges()
         return sum(extent_pages(group.extents) for group in over)
 
     def clear(self, fp: bytes | None = None) -> tuple[int, int]:
@@ -309,7 +313,6 @@ class L1Store:
         victims = [e for e in self.entries.values() if fp is None or e.ns == fp]
         for entry in victims:
             self.remove(entry, "clear")
-        self.update_gauges()
         return len(victims), sum(e.size for e in victims)
 
     # -- room and eviction -----------------------------------------------------------------------
@@ -394,16 +397,6 @@ class L1Store:
         pool.set_budget(num_pages)
         self.tenants.resize(num_pages)
         evicted, freed = self.shed("resize")
-        self.metrics.l1_capacity.set(num_pages * ps)
-        self.update_gauges()
         return {"old_capacity_bytes": old * ps, "capacity_bytes": num_pages * ps, "evicted_entries": evicted,
                 "evicted_bytes": freed, "draining_bytes": max(0, pool.used_pages - num_pages) * ps}
 
-    # -- reporting -------------------------------------------------------------------------------
-
-    def update_gauges(self) -> None:
-        m, ps = self.metrics, self.pool.page_size
-        m.l1_used.set(self.pool.used_pages * ps)
-        m.entries.labels(L1).set(len(self.entries))
-        m.pinned_bytes.set(self.pinned_pages * ps)
-        m.kept_bytes.set(self.kept_pages * ps)

@@ -135,7 +135,6 @@ class AttachedTier:
 
     def _written(self, entry: Entry) -> None:
         self.store.unhold(entry)
-        self.store.update_gauges()
 
     # -- clear, health, reporting ----------------------------------------------------------------
 

@@ -139,7 +139,6 @@ class Promotions:
         for promo in self._stuck:
             self._release_pages(promo)
         self._stuck.clear()
-        self.store.update_gauges()
 
     @property
     def stuck(self) -> int:
@@ -264,7 +263,6 @@ class Promotions:
         if promo in self._stuck:  # abandoned at its deadline: now that the read returned, its pages go back
             self._stuck.discard(promo)
             self._release_pages(promo)
-            self.store.update_gauges()
             return
         if self._promoting.get(promo.meta.key) is not promo:
             return  # settled by close()
@@ -275,7 +273,6 @@ class Promotions:
             self.failures += 1
             self.m.promotion_failures.inc()
         self._settle(promo, ok and promo.epoch == self._epochs(promo.meta.ns))  # not if a clear came since
-        self.store.update_gauges()
 
     def _expire(self, promo: Promotion) -> None:
         """On the loop, at a promotion's deadline: abandon it (a miss). A read not started yet is cancelled
@@ -290,7 +287,6 @@ class Promotions:
         if running:
             self._stuck.add(promo)
         self._settle(promo, False, release=not running)
-        self.store.update_gauges()
 
     def _settle(self, promo: Promotion, ok: bool, release: bool = True) -> None:
         """End a promotion: its entry into L1 (`ok`), or its pages back to the pool (unless not `release`:
