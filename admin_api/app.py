@@ -37,6 +37,7 @@ def create_app(daemon: Daemon) -> FastAPI:
     pool = daemon.cache.store.pool
     daemon.metrics.l1_segment.set(pool.segment_pages * pool.page_size)
     daemon.metrics.info.labels(version()).set(1)
+    daemon.metrics.watch_tenants(lambda: daemon.cache.store.tenants.rows())
     app.add_middleware(Guard, token=daemon.config.admin_token, counter=daemon.metrics.admin_requests)
     app.add_exception_handler(RequestValidationError, invalid_body)
     for router in (health.router, cache_routes.router, lookup_route.router, reconfigure.router):

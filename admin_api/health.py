@@ -1,4 +1,4 @@
-"""Read-only routes: GET /healthz (readiness), /status (capacity, usage, namespaces, clients, policy) and
+"""Read-only routes: GET /healthz (readiness), /status (capacity, usage, tenants, namespaces, clients, policy) and
 /metrics (Prometheus text format). No token needed."""
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ async def status(request: Request, cache: CacheDep, daemon: DaemonDep) -> dict:
         "endpoints": daemon.config.endpoints,
         "policy": store.policy.name,
         "log_level": logging.getLevelName(logging.getLogger().level).lower(),
-        "l1": {**cache_status.l1_status(cache), "shm_name": daemon.segment.name, "shm_dir": daemon.segment.directory},
+        "l1": {**cache_status.l1_status(cache), "shm_name": daemon.segment.name, "shm_dir": daemon.segment.directory,
+               "tenants": store.tenants.rows()},
         "l2": l2.stats() if l2 is not None else {"l2_enabled": False},
         "remote": remote.stats() if remote is not None else {"remote_enabled": False},
         "tiers": [{"name": tier.name, **tier.stats()} for tier in cache.tiers],  # lookup order, any tier

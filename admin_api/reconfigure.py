@@ -1,6 +1,6 @@
-"""POST /reconfigure (token required): live changes to the L1 size, the eviction policy and the log level;
-and `release_free_memory`, which gives the memory of free L1 pages back to the OS after a shrink (refused
-while a GPU copier holds L1 page-locked: server/pinning.py)."""
+"""POST /reconfigure (token required): live changes to the L1 size, the eviction policy, the L1 and L2 tenant
+quota tables and the log level; and `release_free_memory`, which gives the memory of free L1 pages back to the OS
+after a shrink (refused while a GPU copier holds L1 page-locked: server/pinning.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,9 @@ from kvtier.server.daemon import Daemon
 from kvtier.server.eviction import make_policy
 from kvtier.server.l1 import reconfig
 from kvtier.server.l1.store import ResizeRefused
+from kvtier.server.metrics import L1
 from kvtier.server.pinning import lockers
+from kvtier.server.tenants import QuotaTable
 from kvtier.shm.pages import extent_byte_ranges
 
 log = logging.getLogger("kvtier.admin")
@@ -24,14 +26,21 @@ log = logging.getLogger("kvtier.admin")
 router = APIRouter()
 
 
-@router.post("/reconfigure", dependencies=[Depends(authorized)], summary="eviction policy, L1 size, log level")
+@router.post("/reconfigure", dependencies=[Depends(authorized)],
+             summary="eviction policy, L1 size, L1 and L2 tenant quotas, log level")
 async def reconfigure(body: ReconfigureRequest, cache: CacheDep, daemon: DaemonDep) -> dict:
     out: dict[str, Any] = {}
     size = body.l1_size_bytes if body.l1_size_gb is None else int(body.l1_size_gb * (1 << 30))
+    check_quotas(cache, body.tenant_quotas, size)
+    l2_table = check_l2_quotas(cache, body.l2_tenant_quotas)
     if size is not None:
         out["l1"] = resize_l1(cache, daemon, size, body.release_memory)
+    if body.tenant_quotas is not None:
+        out["tenant_quotas"] = set_quotas(daemon, body.tenant_quotas)
     if body.eviction_policy is not None and body.eviction_policy != cache.store.policy.name:
         out["eviction_policy"] = set_policy(cache, daemon, body.eviction_policy)
+    if body.l2_tenant_quotas is not None:
+        out["l2_tenant_quotas"] = set_l2_quotas(daemon, l2_table)
     if body.log_level is not None:
         level = body.log_level.upper()
         logging.getLogger().setLevel(level)
@@ -64,6 +73,65 @@ def resize_l1(cache: Cache, daemon: Daemon, size: int, release_memory: bool) -> 
     if release_memory and pages * pool.page_size < result["old_capacity_bytes"]:
         result["released_bytes"] = release_free_memory(daemon)
     log.info("admin: L1 resized to %d bytes (%d chunks evicted)", result["capacity_bytes"],
+             result["evicted_entries"])
+    return result
+
+
+def check_quotas(cache: Cache, text: str | None, size: int | None) -> None:
+    """Refuse, before anything changes, a bad table (422) and a table whose guarantees would not fit the L1
+    budget after this request: the new table against the new size (422), the table in force against a
+    shrink (409)."""
+    pool = cache.store.pool
+    capacity = pool.num_pages * pool.page_size if size is None else size // pool.page_size * pool.page_size
+    try:
+        table = QuotaTable.parse(text) if text is not None else cache.store.tenants.table
+    except ValueError as exc:
+        raise HTTPException(422, f"tenant_quotas: {exc}") from None
+    if table is None or (text is None and size is None):
+        return
+    try:
+        table.limits(capacity)
+    except ValueError as exc:
+        if text is not None:
+            raise HTTPException(422, f"tenant_quotas: {exc}") from None
+        raise HTTPException(409, f"L1 size {capacity} is too small for the tenant quota table in force "
+                                 f"({table.text()}): {exc}; change the table first (tenant_quotas)") from None
+
+
+def set_quotas(daemon: Daemon, text: str) -> dict:
+    """Apply the L1 quota table now (a tenant over its new maximum sheds at once), keep it for a warm restart
+    (server/tenant_tables.py) and keep the daemon's config in step."""
+    try:
+        result = daemon.tables.apply(L1, text)
+    except ValueError as exc:
+        raise HTTPException(422, f"tenant_quotas: {exc}") from None
+    daemon.config.l1_tenant_quotas = result["table"]
+    log.info("admin: L1 tenant quotas set to %r (%d chunks shed)", result["table"] or "none",
+             result["evicted_entries"])
+    return result
+
+
+def check_l2_quotas(cache: Cache, text: str | None) -> str:
+    """Refuse, before anything changes, an L2 table when there is no L2 tier (409), and one that does not parse
+    or whose guarantees exceed L2 (422); the table's text."""
+    if text is None:
+        return ""
+    l2 = cache.tier("l2")
+    if l2 is None:
+        raise HTTPException(409, "l2_tenant_quotas: the server has no L2 tier (--l2-path)")
+    try:
+        QuotaTable.parse(text).limits(l2.tier.capacity_bytes)
+    except ValueError as exc:
+        raise HTTPException(422, f"l2_tenant_quotas: {exc}") from None
+    return text
+
+
+def set_l2_quotas(daemon: Daemon, text: str) -> dict:
+    """Apply the L2 quota table now (a tenant over its new maximum sheds at once: FsTier.set_quotas), keep it
+    for a warm restart (server/tenant_tables.py) and keep the daemon's config in step."""
+    result = daemon.tables.apply("l2", text)
+    daemon.config.l2_tenant_quotas = result["table"]
+    log.info("admin: L2 tenant quotas set to %r (%d chunks shed)", result["table"] or "none",
              result["evicted_entries"])
     return result
 

@@ -73,6 +73,7 @@ COMMON = ("enabled", "entries", "used_bytes", "capacity_bytes", "queue_depth", "
           "dropped_writes", "cleared_writes", "corrupt_chunks", "evictions", "promoted", "promoting",
           "promoting_bytes", "promotion_failures", "promotions_expired", "promotions_stuck", "clear_failures",
           "read_bytes_per_s", "write_bytes_per_s")
+TENANT_FACTS = ("tenant_quotas", "tenants")  # a tier's tenants (the L2 tier's): its own table below it
 
 
 def _fact(key: str, value: Any) -> str:
@@ -97,8 +98,9 @@ def render_tier(tier: dict[str, Any]) -> list[str]:
 
     cap, used = own.get("capacity_bytes", 0), own.get("used_bytes", 0)
     of = f"{human_bytes(cap)} ({100 * used / cap:.0f}%)" if cap else "no limit"
-    texts = [str(v) for k, v in own.items() if k not in COMMON and isinstance(v, str)]
-    rest = [_fact(k, v) for k, v in own.items() if k not in COMMON and not isinstance(v, str)]
+    facts = {k: v for k, v in own.items() if k not in COMMON and k not in TENANT_FACTS}
+    texts = [str(v) for v in facts.values() if isinstance(v, str)]
+    rest = [_fact(k, v) for k, v in facts.items() if not isinstance(v, str)]
     usage = (f"{human_bytes(used)} used of {of}, {own.get('entries', 0)} chunks; read {rate('read_bytes_per_s')}, "
              f"write {rate('write_bytes_per_s')}")
     return [
@@ -107,6 +109,7 @@ def render_tier(tier: dict[str, Any]) -> list[str]:
         f"{own.get('dropped_writes', 0)} dropped, {own.get('promoted', 0)} promoted ({own.get('promoting', 0)} in "
         f"flight), {own.get('corrupt_chunks', 0)} corrupt",
         *([f"    {', '.join(rest)}"] if rest else []),
+        *render_tenants(own, LABELS.get(name, name)),
     ]
 
 
@@ -123,6 +126,34 @@ def render_tiers(status: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _by_reason(counts: dict[str, int]) -> str:
+    """`12 (quota 10, capacity 2)`: the total and its non-zero reasons, largest first."""
+    nonzero = sorted(((n, r) for r, n in counts.items() if n), reverse=True)
+    total = sum(n for n, _ in nonzero)
+    return f"{total} ({', '.join(f'{r} {n}' for n, r in nonzero)})" if total else "0"
+
+
+def render_tenants(facts: dict[str, Any], tier: str = "L1") -> list[str]:
+    """A tier's tenants table (`tenant_quotas` and `tenants`: /status `l1`, or a lower tier's own facts), when
+    it has a quota table (docs/tenants.md); the hit ratio where the rows count tokens (L1's)."""
+    if not facts.get("tenant_quotas"):
+        return []
+    tenants = facts.get("tenants", [])
+    hits = any("requested_tokens" in t for t in tenants)
+    rows = []
+    for t in tenants:
+        asked = t.get("requested_tokens", 0)
+        ratio = [f"{100 * t.get('hit_tokens', 0) / asked:.1f} %" if asked else "-"] if hits else []
+        rows.append([str(t.get("tenant", "?"))[:32], human_bytes(t.get("used_bytes", 0)),
+                     human_bytes(t.get("guaranteed_bytes", 0)), human_bytes(t.get("max_bytes", 0)),
+                     str(t.get("entries", 0)), *ratio, _by_reason(t.get("evictions", {})),
+                     _by_reason(t.get("refused", {}))])
+    headers = ["TENANT", "USED", "GUARANTEED", "MAX", "CHUNKS", *(["HIT RATIO"] if hits else []), "EVICTIONS",
+               "REFUSED"]
+    return ["", f"Tenants in {tier} ({facts['tenant_quotas']})", table(headers, rows, {1, 2, 3, 4, 5} if hits
+                                                                         else {1, 2, 3, 4})]
+
+
 def render(status: dict[str, Any]) -> str:
     l1 = status.get("l1", {})
     cap, used = l1.get("capacity_bytes", 0), l1.get("used_bytes", 0)
@@ -137,6 +168,7 @@ def render(status: dict[str, Any]) -> str:
         f"    {l1.get('entries', 0)} chunks, {human_bytes(l1.get('pinned_bytes', 0))} pinned, "
         f"{l1.get('leases', 0)} leases, {l1.get('reservations', 0)} open writes",
         *render_tiers(status),
+        *render_tenants(l1),
         "",
     ]
     namespaces = status.get("namespaces", [])

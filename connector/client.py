@@ -87,21 +87,32 @@ class KVTierClient(Session):
         """Send a connector's counts (the `report` op: skipped requests, undelivered tokens, verifications)."""
         return self.request({"op": "report", **counts}, ns) is not None
 
+    def end_session(self, session: str) -> bool:
+        """End a request-hint session (docs/hints.md): its chunks are kept no longer for it. Whether the server
+        ended one (False: unknown or ended already, or no answer); a failure is logged, never raised."""
+        try:
+            reply = self.request({"op": "end_session", "session": session})
+        except Exception as exc:  # a session left open only ends later, when the server finds it idle
+            log.warning("kvtier: ending session %r failed: %s", session[:40], exc)
+            return False
+        return bool(reply and reply.get("ended"))
+
     # -- store -----------------------------------------------------------------------------------
 
     def store(
         self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, sizes: Callable[[ChunkKeys], int],
-        write: WriteFn, skip_chunks: int = 0, identity: RequestIdentity = PLAIN,
+        write: WriteFn, skip_chunks: int = 0, identity: RequestIdentity = PLAIN, hint: p.Hint = p.NO_HINT,
     ) -> StoreResult:
         """Store every chunk of `token_ids` from chunk `skip_chunks` on: reserve pages, let `write`
-        copy the chunk's bytes into them, commit. Chunks already stored (or being stored) are skipped."""
+        copy the chunk's bytes into them, commit. Chunks already stored (or being stored) are skipped.
+        `hint`: what the request asked of its chunks (retention, priority, session; docs/hints.md)."""
         chunks = chunk_keys(ns, token_ids, identity)[skip_chunks:]
-        return self.store_chunks(ns, chunks, sizes, write)
+        return self.store_chunks(ns, chunks, sizes, write, hint)
 
     def store_chunks(self, ns: Namespace, chunks: list[ChunkKeys], sizes: Callable[[ChunkKeys], int],
-                     write: WriteFn) -> StoreResult:
+                     write: WriteFn, hint: p.Hint = p.NO_HINT) -> StoreResult:
         if len(chunks) > p.MAX_STORE_ITEMS:  # one reserve holds at most MAX_STORE_ITEMS items
-            parts = [self.store_chunks(ns, chunks[i:i + p.MAX_STORE_ITEMS], sizes, write)
+            parts = [self.store_chunks(ns, chunks[i:i + p.MAX_STORE_ITEMS], sizes, write, hint)
                      for i in range(0, len(chunks), p.MAX_STORE_ITEMS)]
             return StoreResult.merged(parts)
         result = StoreResult()
@@ -110,7 +121,10 @@ class KVTierClient(Session):
         feed = bool(self.events_endpoint)
         items = [p.StoreItem(c.key, sizes(c), len(c.block_keys), c.aliases, c.tokens if feed else b"", c.parent)
                  for c in chunks]
-        got = self._exchange({"op": "reserve", "items": [i.to_wire() for i in items]}, ns)
+        message: dict[str, Any] = {"op": "reserve", "items": [i.to_wire() for i in items]}
+        if hint != p.NO_HINT:
+            message["hint"] = hint.to_wire()
+        got = self._exchange(message, ns)
         if got is None:
             result.refused["unreachable"] = len(chunks)
             return result

@@ -183,9 +183,10 @@ class GpuTransfers:
             self._settle(oldest)  # every event names an operation in flight: wait for the oldest
 
     def store(self, tag: Hashable, ns: Namespace, token_ids: Sequence[int], block_ids: Sequence[int],
-              skip_chunks: int = 0, identity: RequestIdentity = PLAIN) -> Operation | None:
+              skip_chunks: int = 0, identity: RequestIdentity = PLAIN, hint: p.Hint = p.NO_HINT) -> Operation | None:
         """Store the whole chunks of `token_ids` (from chunk `skip_chunks`) out of engine blocks `block_ids`
-        (one per block of the prompt); None when nothing was sent."""
+        (one per block of the prompt), with the request's `hint` as a reserve carries it; None when nothing
+        was sent."""
         chunks = chunk_keys(ns, token_ids, identity)[skip_chunks:][: p.MAX_STORE_ITEMS]
         if not chunks or not self._ready():
             return None
@@ -194,7 +195,10 @@ class GpuTransfers:
         feed = bool(self.client.events_endpoint)  # the server's event feed names each chunk's tokens
         items = [p.StoreItem(c.key, m.num_layers * len(c.block_keys) * m.page_bytes, len(c.block_keys),
                              c.aliases, c.tokens if feed else b"", c.parent).to_wire() for c in chunks]
-        return self._submit(tag, "store", ns, {"op": "gpu_store", "items": items, "block_ids": ids}, ids)
+        message: dict[str, Any] = {"op": "gpu_store", "items": items, "block_ids": ids}
+        if hint != p.NO_HINT:
+            message["hint"] = hint.to_wire()
+        return self._submit(tag, "store", ns, message, ids)
 
     def load(self, tag: Hashable, ns: Namespace, token_ids: Sequence[int], block_ids: Sequence[int],
              first_block: int, end_block: int, identity: RequestIdentity = PLAIN) -> Operation | None:

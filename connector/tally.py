@@ -1,5 +1,5 @@
 """Counts a connector keeps for the server's metrics (the `report` op): requests skipped for want of an
-identity, promised tokens not delivered, sampled verifications. A daemon thread, started by the first count,
+identity, promised tokens not delivered, sampled verifications, request hints ignored. A daemon thread, started by the first count,
 sends what was counted once per `every_s` (never on the engine's own calls, and an engine that goes idle still
 reports its last counts); counts a send could not deliver are kept for the next one."""
 
@@ -22,6 +22,7 @@ class Tally:
         self._lock = threading.Lock()
         self._skipped: Counter[str] = Counter()
         self._undelivered: Counter[str] = Counter()
+        self._hints_ignored: Counter[str] = Counter()
         self._verified: dict[Namespace, list[int]] = {}  # namespace -> [checks, mismatches]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -36,6 +37,12 @@ class Tally:
             with self._lock:
                 self._undelivered[reason] += tokens
                 self._started()
+
+    def hint_ignored(self, reason: str) -> None:
+        """A request hint ignored (protocol.HINT_IGNORED_REASONS)."""
+        with self._lock:
+            self._hints_ignored[reason] += 1
+            self._started()
 
     def verified(self, ns: Namespace, mismatched: bool) -> None:
         with self._lock:
@@ -57,12 +64,12 @@ class Tally:
     def flush(self) -> None:
         """Send what was counted now."""
         with self._lock:
-            skipped, undelivered, verified = self._skipped, self._undelivered, self._verified
-            self._skipped, self._undelivered, self._verified = Counter(), Counter(), {}
-        sent = not (skipped or undelivered) or self._send({"skipped": dict(skipped),
-                                                            "undelivered": dict(undelivered)}, None)
-        if not sent:
-            self._keep(skipped, undelivered, {})
+            skipped, undelivered, hints = self._skipped, self._undelivered, self._hints_ignored
+            verified = self._verified
+            self._skipped, self._undelivered, self._hints_ignored, self._verified = Counter(), Counter(), Counter(), {}
+        counts = {"skipped": dict(skipped), "undelivered": dict(undelivered), "hints_ignored": dict(hints)}
+        if (skipped or undelivered or hints) and not self._send(counts, None):
+            self._keep(skipped, undelivered, {}, hints)
         for ns, (checks, mismatches) in verified.items():
             if not self._send({"verified": checks, "mismatched": mismatches}, ns):
                 self._keep(Counter(), Counter(), {ns: [checks, mismatches]})
@@ -74,11 +81,13 @@ class Tally:
             self._thread.join(timeout=5.0)
         self.flush()
 
-    def _keep(self, skipped: Counter[str], undelivered: Counter[str], verified: dict[Namespace, list[int]]) -> None:
+    def _keep(self, skipped: Counter[str], undelivered: Counter[str], verified: dict[Namespace, list[int]],
+              hints: Counter[str] | None = None) -> None:
         """Counts a send could not deliver, added back for the next one."""
         with self._lock:
             self._skipped.update(skipped)
             self._undelivered.update(undelivered)
+            self._hints_ignored.update(hints or {})
             for ns, (checks, mismatches) in verified.items():
                 counts = self._verified.setdefault(ns, [0, 0])
                 counts[0] += checks

@@ -17,6 +17,8 @@ TOOLS = {
     ("bench", "trace"): ("kvtier.server.bench.trace", "replay eviction traces against LRU and Belady's optimum"),
     ("bench", "datapath"): ("kvtier.server.bench.datapath", "copy path vs raw memcpy of the same bytes"),
     ("bench", "lookup"): ("kvtier.server.bench.lookup", "lookup round trip vs a bare ZeroMQ+msgpack echo"),
+    ("bench", "node"): ("kvtier.server.bench.node", "one daemon driven by N engine-like client processes vs a bare "
+                        "ZeroMQ+msgpack echo; the daemon's CPU per op and its saturation point"),
     ("bench", "l2"): ("kvtier.server.bench.l2", "L2 tier write/read vs raw file I/O; L2 promotion vs L1 hit"),
     ("bench", "adopt"): ("kvtier.server.bench.adopt", "warm restart of a full L1: time to ready and first hit; "
                          "the journal's cost on the store path"),

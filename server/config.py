@@ -184,6 +184,8 @@ class ServerConfig:
                              "positive")
         if self.l2_path and (self.l2_bytes <= 0 or self.l2_queue_depth <= 0):
             raise ValueError("--l2-size-gb and --l2-queue-depth must be positive when --l2-path is set")
+        if self.l2_path:
+            self.l2_quota_table()
         if self.remote_url:
             self._validate_remote()
         self._validate_events()
@@ -224,9 +226,21 @@ class ServerConfig:
         return RemoteAccess(self.remote_tls_ca_file, self.remote_tls_cert_file, self.remote_tls_key_file,
                             self.remote_password_file, self.remote_read_from, self.remote_az)
 
+    def l2_quota_table(self) -> QuotaTable | None:
+        """--l2-tenant-quotas parsed and checked against --l2-size-gb (ValueError naming the flag)."""
+        if not self.l2_tenant_quotas.strip():
+            return None
+        try:
+            table = QuotaTable.parse(self.l2_tenant_quotas)
+            table.limits(self.l2_bytes)
+        except ValueError as exc:
+            raise ValueError(f"--l2-tenant-quotas: {exc}") from None
+        return table
+
     def l2_options(self) -> FsOptions:
         """The disk tier's options (server/tiers/fs.py), from the --l2-* flags."""
-        return FsOptions(self.l2_path, self.l2_bytes, self.l2_odirect, self.l2_eviction_policy, self.l2_queue_depth)
+        return FsOptions(self.l2_path, self.l2_bytes, self.l2_odirect, self.l2_eviction_policy, self.l2_queue_depth,
+                         self.l2_quota_table())
 
     def remote_options(self) -> RemoteOptions:
         """The remote tier's options (server/tiers/remote/options.py), from the --remote-* flags."""

@@ -80,12 +80,20 @@ class Daemon:
             self.l1.abandon()
             self.pair.release()
             raise
-        self.tables = TenantTables.beside(config.shm_dir, self.segment.name, {"l1": config.l1_tenant_quotas},
-                                          keep=config.l1_adopt)
+        l2 = self.cache.tier("l2")
+        configured = {"l1": config.l1_tenant_quotas, **({"l2": config.l2_tenant_quotas} if l2 is not None else {})}
+        self.tables = TenantTables.beside(config.shm_dir, self.segment.name, configured, keep=config.l1_adopt)
         self.tables.appliers["l1"] = partial(set_quotas, store)
+        if l2 is not None:
+            self.tables.appliers["l2"] = l2.tier.set_quotas  # FsTier.set_quotas: kept for a warm restart like L1's
         log.info("%s", self.tables.restore(config.l1_discard))
         for tier, text in list(self.tables.current.items()):
-            self.tables.apply(tier, text)
+            try:
+                self.tables.apply(tier, text)
+            except ValueError as exc:  # a kept table the tier outgrew (L2 is resized across warm restarts)
+                log.warning("the kept %s tenant quota table %r does not fit the tier now (%s): using the "
+                            "configured one", tier, text, exc)
+                self.tables.apply(tier, self.tables.configured[tier])
         # adopted chunks a lower tier may lack (the old daemon's write-behind queue died with it), oldest first
         self._adopted = list(store.entries.values()) if self.l1.adopted and self.cache.tiers else []
         self.gpu_metrics = GpuMetrics(self.metrics)

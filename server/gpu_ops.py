@@ -140,7 +140,8 @@ class GpuOps:
             if len(ids) != item.blocks or item.size != memory.num_layers * item.blocks * memory.page_bytes:
                 raise p.ProtocolError(p.BAD_REQUEST, "a gpu_store item holds one block id per block and "
                                       "layers x blocks x page_bytes of the registered memory")
-        results = self.holds.reserve(owner, fp, items, client_writes=False)
+        hint = p.Hint.from_wire(message["hint"]) if "hint" in message else p.NO_HINT  # as a reserve's (docs/hints.md)
+        results = self.holds.reserve(owner, fp, items, client_writes=False, hint=hint)
         rids = [r[1] for r in results if r[0] == p.RESERVED]
         copies = [Copy(item.key, ids, 0, item.blocks, tuple(r[2]), item.size, start_by)
                   for item, ids, r in zip(items, block_ids, results, strict=True) if r[0] == p.RESERVED]

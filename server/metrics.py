@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
-from kvtier.server.protocol import SKIP_REASONS, UNDELIVERED_REASONS
+from kvtier.server.protocol import (
+    HINT_IGNORED_REASONS,
+    RETAINED,
+    SKIP_REASONS,
+    TENANT_GUARANTEE,
+    TENANT_MAX,
+    UNDELIVERED_REASONS,
+)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 L1 = "l1"  # the memory tier's label; lower tiers label their metrics with their `name`
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -42,6 +51,10 @@ class Metrics:
         self.undelivered_tokens = Counter(
             "kvtier_undelivered_tokens", "Prompt tokens a lookup promised that the load did not deliver (the engine "
             "recomputed them), by reason", ["reason"], registry=r,
+        )
+        self.hints_ignored = Counter(
+            "kvtier_hints_ignored", "Request hints a connector ignored (a bad or unknown field), by field",
+            ["reason"], registry=r,
         )
         self.verify_checks = Counter(
             "kvtier_verify_checks", "Sampled hits recomputed by the engine and compared with what kvtier holds, by "
@@ -152,8 +165,62 @@ class Metrics:
             self.identity_skips.labels(reason)
         for reason in UNDELIVERED_REASONS:
             self.undelivered_tokens.labels(reason)
+        for reason in HINT_IGNORED_REASONS:
+            self.hints_ignored.labels(reason)
         for reason in ("too_many_tokens", "not_registered"):
             self.admin_lookups_refused.labels(reason)
+
+    def watch_tenants(self, rows: Callable[[], list[dict[str, Any]]]) -> None:
+        """Export the per-tenant L1 series (kvtier_tenant_*) from `rows` (TenantBook.rows) at each scrape."""
+        self.registry.register(TenantCollector(rows))
+
+
+# Reasons every tenant's series carry from the start (0 until the first), so a dashboard can divide by them.
+TENANT_EVICTIONS = ("capacity", "quota", "clear")
+TENANT_REFUSALS = (TENANT_MAX, TENANT_GUARANTEE, RETAINED)
+_TENANT_GAUGES = {"used_bytes": "L1 bytes a tenant's chunks hold", "guaranteed_bytes": "A tenant's guaranteed L1 "
+                  "bytes (the quota table's share of the current L1 budget)", "max_bytes": "The most L1 bytes a "
+                  "tenant may hold", "entries": "Chunks of a tenant in L1"}
+_TENANT_COUNTERS = {"stored_tokens": "Tokens of a tenant's chunks committed to L1", "requested_tokens": "Prompt "
+                    "tokens a tenant's lookups asked for", "hit_tokens": "Prompt tokens a tenant's lookups found "
+                    "(any tier)"}
+
+
+class TenantCollector:
+    """The kvtier_tenant_* series, read from L1's TenantBook rows when /metrics is scraped (the book keeps plain
+    numbers; nothing is updated per store). Labels are bounded: the quota table's names and `*`."""
+
+    def __init__(self, rows: Callable[[], list[dict[str, Any]]]) -> None:
+        self.rows = rows
+
+    def describe(self) -> list[Metric]:
+        return list(self._families([]))
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(self.rows())
+
+    @staticmethod
+    def _families(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+        for field, text in _TENANT_GAUGES.items():
+            family = GaugeMetricFamily(f"kvtier_tenant_{field}", text, labels=["tenant"])
+            for row in rows:
+                family.add_metric([row["tenant"]], row[field])
+            yield family
+        for field, text in _TENANT_COUNTERS.items():
+            family = CounterMetricFamily(f"kvtier_tenant_{field}", text, labels=["tenant"])
+            for row in rows:
+                family.add_metric([row["tenant"]], row[field])
+            yield family
+        for field, name, known, text in (
+            ("evictions", "evictions", TENANT_EVICTIONS, "Chunks of a tenant removed from L1, by reason"),
+            ("refused", "refused_stores", TENANT_REFUSALS, "Store items of a tenant refused, by reason"),
+        ):
+            family = CounterMetricFamily(f"kvtier_tenant_{name}", text, labels=["tenant", "reason"])
+            for row in rows:
+                counts = {**dict.fromkeys(known, 0), **row[field]}
+                for reason, n in sorted(counts.items()):
+                    family.add_metric([row["tenant"], reason], n)
+            yield family
 
 
 class TierMetrics:

@@ -87,6 +87,8 @@ RETAINED = "retained"  # only chunks kept by request hints (retain_s, a live ses
 # Request hints (docs/hints.md): a store's eviction class, how long to keep it, the session that keeps it.
 PRIORITIES = ("low", "normal", "high")
 MAX_SESSION_ID = 128
+# Request hints a connector ignored (bad or unknown fields), counted by field in a `report`'s `hints_ignored`:
+HINT_IGNORED_REASONS = ("not_a_map", "unknown_key", "store", "max_store_tokens", "retain_s", "priority", "session")
 MAX_LOOKUP_RANKS = 1024  # other workers (TP ranks) one lookup may name: the frame limit bounds their keys
 
 

@@ -262,11 +262,13 @@ class RequestHandler:
         return p.ok(p.request_id(m), server_id=self.server_id, **self.cache.status())
 
     def _report(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
-        """Counts a connector kept since its last report (protocol.py: SKIP_REASONS, UNDELIVERED_REASONS, and
-        sampled verifications of namespace `ns`); every field is checked before anything is counted."""
+        """Counts a connector kept since its last report (protocol.py: SKIP_REASONS, UNDELIVERED_REASONS,
+        HINT_IGNORED_REASONS, and sampled verifications of namespace `ns`); every field is checked before
+        anything is counted."""
         self.holds.client(ident)
         skipped = _counts(m, "skipped", p.SKIP_REASONS)
         undelivered = _counts(m, "undelivered", p.UNDELIVERED_REASONS)
+        hints_ignored = _counts(m, "hints_ignored", p.HINT_IGNORED_REASONS)
         verified = p.int_field(m, "verified", 0, p.MAX_REPORT_COUNT, 0)
         mismatched = p.int_field(m, "mismatched", 0, verified, 0)
         label = ""
@@ -278,6 +280,8 @@ class RequestHandler:
             self.metrics.identity_skips.labels(reason).inc(n)
         for reason, n in undelivered.items():
             self.metrics.undelivered_tokens.labels(reason).inc(n)
+        for reason, n in hints_ignored.items():
+            self.metrics.hints_ignored.labels(reason).inc(n)
         if verified:
             self.metrics.verify_checks.labels(label).inc(verified)
             self.metrics.verify_mismatches.labels(label).inc(mismatched)

@@ -14,6 +14,7 @@ from kvtier.connector.tally import Tally
 from kvtier.connector.vllm.identity import IdentityUnknown, model_fingerprint
 from kvtier.connector.vllm.namespace import namespace_for
 from kvtier.server.keys import PLAIN, Namespace, RequestIdentity
+from kvtier.server.protocol import NO_HINT, Hint
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ class ConnectorOptions:
     retry_backoff_s: float = 2.0
     chunk_size: int = 256
     cache_salt: str = ""
+    tenant: str = ""  # another name for cache_salt (the engine's tenant, docs/tenants.md)
     token: str = ""
     prefill_tokens_per_s: float = 0.0  # the engine's prefill rate: lower-tier hits slower than it are skipped
     pending_wait_ms: float = 250.0  # how long a request may wait for a remote probe or a promotion into L1
@@ -57,6 +59,11 @@ class ConnectorOptions:
             if key in extra:
                 kind = type(getattr(cls, name))
                 values[name] = _flag(key, extra[key]) if kind is bool else kind(extra[key])
+        tenant, salt = values.get("tenant", ""), values.get("cache_salt", "")
+        if tenant and salt and tenant != salt:
+            raise ValueError(f"kvtier.tenant {tenant!r} and kvtier.cache_salt {salt!r} differ: they are one "
+                             "option under two names; set one of them")
+        values["tenant"] = values["cache_salt"] = tenant or salt
         options = cls(**values)
         if not 0.0 <= options.verify_fraction <= 1.0:
             raise ValueError(f"kvtier.verify_fraction must be in [0, 1], not {options.verify_fraction}")
@@ -107,6 +114,7 @@ class SaveSpec:
     # sampled verification: prompt blocks [0, verify_blocks) were recomputed instead of loaded from kvtier;
     # compare them with what kvtier holds
     verify_blocks: int = 0
+    hint: Hint = NO_HINT  # the request's hints for these chunks (retention, priority, session: hints.py)
 
 
 @dataclass

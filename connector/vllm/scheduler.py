@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.results import L1_TIER
 from kvtier.connector.vllm.engine_events import Converter, EngineEvents, engine_hasher
+from kvtier.connector.vllm.hints import NO_HINTS, RequestHints, parse_hints
 from kvtier.connector.vllm.identity import LoraFingerprints, request_identity
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.server.keys import PLAIN, Namespace, RequestIdentity
-from kvtier.server.protocol import SKIP_MODEL
+from kvtier.server.protocol import NO_HINT, SKIP_MODEL
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,6 +51,7 @@ class _Tracked:
     salt: str
     identity: RequestIdentity = PLAIN
     skip: bool = False  # its identity could not be established: never looked up or stored
+    hints: RequestHints = NO_HINTS  # what its kv_transfer_params ask (hints.py)
     asked: float = 0.0  # when vLLM first asked about it (monotonic)
     asked_again: bool = False  # its first lookup answered "ask again": later ones are not counted again
     lease: int = 0  # the lookup's lease on the L1 hits it promised (released once the load has read them)
@@ -112,7 +114,10 @@ class SchedulerSide(ConnectorSide):
     def _track(self, request: Request) -> _Tracked:
         """Start tracking a request: its prompt, salt and identity (or why it has none: a counted skip)."""
         prompt = list(request.prompt_token_ids or [])
-        tracked = _Tracked(prompt, getattr(request, "cache_salt", None) or "", asked=time.monotonic())
+        tracked = _Tracked(prompt, getattr(request, "cache_salt", None) or "", asked=time.monotonic(),
+                           hints=parse_hints(getattr(request, "kv_transfer_params", None)))
+        for reason in tracked.hints.ignored:
+            self.tally.hint_ignored(reason)
         reason = SKIP_MODEL if self.identity_error else ""
         if not reason:
             identity = request_identity(request, self.block_size, prompt, self._loras)
@@ -160,7 +165,7 @@ class SchedulerSide(ConnectorSide):
                         return None, False
                     tracked.lease = found.lease
                     hit = min(hit, in_l1 * self.block_size)
-                    if hit > num_computed_tokens and self._verify_fraction \
+                    if hit > num_computed_tokens and self._verify_fraction and tracked.hints.store \
                             and random.random() < self._verify_fraction:
                         tracked.verify_blocks, hit = hit // self.block_size, 0  # recomputed, then compared
                     tracked.hit_tokens = hit
@@ -237,20 +242,23 @@ class SchedulerSide(ConnectorSide):
         return meta
 
     def _maybe_save(self, meta: KVTierMetadata, req_id: str, tracked: _Tracked, computed_after: int) -> None:
-        """Store once, in the step that computes the prompt's last token."""
+        """Store once, in the step that computes the prompt's last token: the whole blocks its hints allow
+        (none with `store: false`, those within `max_store_tokens`)."""
         if tracked.skip or tracked.saved or computed_after < len(tracked.prompt):
             return
         tracked.saved = True
-        whole = len(tracked.prompt) // self.block_size
+        whole = tracked.hints.stored_blocks(len(tracked.prompt), self.block_size)
         # Chunks kvtier just served, or that vLLM's own cache held (this instance computed and offered
         # them before), are not offered again: that saves a store round trip on every cache hit, at the
-        # price of not re-offering a prefix kvtier has evicted while vLLM still caches it.
+        # price of not re-offering a prefix kvtier has evicted while vLLM still caches it. A request with a
+        # hint offers them all: its hint applies to the chunks that exist too (answered "exists", no copy).
         chunk = self.options.chunk_size
-        skip = max(tracked.hit_tokens, tracked.local_tokens) // chunk
+        skip = max(tracked.hit_tokens, tracked.local_tokens) // chunk if tracked.hints.hint == NO_HINT else 0
         if whole and len(tracked.block_ids) >= whole and (skip * chunk < whole * self.block_size
                                                            or tracked.verify_blocks):
             meta.saves.append(SaveSpec(req_id, tracked.prompt[: whole * self.block_size], tracked.block_ids[:whole],
-                                       tracked.salt, skip, tracked.identity, min(tracked.verify_blocks, whole)))
+                                       tracked.salt, skip, tracked.identity, min(tracked.verify_blocks, whole),
+                                       tracked.hints.hint))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         for req_id in connector_output.finished_recving or ():
@@ -263,16 +271,21 @@ class SchedulerSide(ConnectorSide):
             self._release(tracked)  # the asynchronous load has read what the lookup promised
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Hold the blocks of a finished request whose store may be in flight (asynchronous transfers).
+        """Hold the blocks of a finished request whose store may be in flight (asynchronous transfers); end
+        the session of a request that is its session's last turn (`session.end`).
 
         Not one whose load is in flight: vLLM holds those itself until the load is reported, and a request
-        loading again after a preemption has had its store finished before its blocks were freed.
+        loading again after a preemption has had its store finished before its blocks were freed. A session
+        ends here even when the store is still in flight: the server keeps no late store of an ended session.
         """
         tracked = self._requests.pop(request.request_id, None)
+        if tracked is not None and tracked.hints.ends_session:
+            self.client.end_session(tracked.hints.ends_session)
         if tracked is not None and tracked.lease:  # at once: the engine may go idle after its last request
             self._release(tracked)
             self._flush_releases()
-        hold = self.asynchronous and tracked is not None and tracked.saved and tracked.loading is None
+        hold = self.asynchronous and tracked is not None and tracked.saved and tracked.hints.store \
+            and tracked.loading is None
         if hold:
             self._held.append(request.request_id)
         return hold, None

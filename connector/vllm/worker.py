@@ -182,7 +182,7 @@ class WorkerSide(ConnectorSide):
             for spec in meta.saves:  # sent now: each records its event after this step's forward
                 try:
                     op = gpu.store(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids,
-                                   spec.skip_chunks, spec.identity)
+                                   spec.skip_chunks, spec.identity, spec.hint)
                 except Exception:  # a dropped store is only a future miss
                     log.exception("kvtier: GPU store of request %s failed; dropped", spec.req_id)
                     op = None
@@ -211,7 +211,7 @@ class WorkerSide(ConnectorSide):
 
         self.client.store(self.namespace(spec.salt), np.asarray(spec.token_ids),
                           lambda c: kv.chunk_bytes(len(c.block_keys)), write, skip_chunks=spec.skip_chunks,
-                          identity=spec.identity)
+                          identity=spec.identity, hint=spec.hint)
 
     def _verify(self, spec: SaveSpec) -> None:
         """A sampled hit was recomputed instead of loaded: compare the engine's fresh KV of its blocks with what

@@ -1,5 +1,6 @@
 """`kvtier bench trace`: replay workloads through the connector's steps with every eviction policy and
-Belady's optimum (server/bench/trace_replay.py), and what each policy costs per key."""
+Belady's optimum (server/bench/trace_replay.py), and what each policy costs per key; `--workload tenants` and
+`--workload agent` measure tenant quotas and session hints (server/bench/trace_tenants.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import time
 import tracemalloc
 from dataclasses import asdict, dataclass
 
+from kvtier.server.bench import trace_tenants
 from kvtier.server.bench.trace_replay import BELADY, replay
+from kvtier.server.bench.trace_tenants import AGENT, TENANTS
 from kvtier.server.bench.trace_workloads import (
     WORKLOADS,
     Geometry,
@@ -44,7 +47,8 @@ class Cost:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workload", choices=["all", *WORKLOADS, REREAD], default="all")
+    parser.add_argument("--workload", choices=["all", *WORKLOADS, REREAD, TENANTS, AGENT], default="all",
+                        help="all: the eviction workloads and reread; tenants and agent run only when named")
     parser.add_argument("--capacity", type=int, default=1024, help="L1 size in pages (default 1024)")
     parser.add_argument("--l1-gib", type=float, nargs="+", default=list(REREAD_L1_GIB),
                         help="L1 sizes for the reread workload (default: ~1.3x, ~1.6x, ~2.2x its working set)")
@@ -121,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         print("--capacity, --page-size-kb and --l1-gib must be positive")
         return 2
     geometry = Geometry(page_bytes=args.page_size_kb << 10)
+    if args.workload in (TENANTS, AGENT):
+        return run_hints(args.workload, args, geometry)
     names = list(WORKLOADS) if args.workload == "all" else [] if args.workload == REREAD else [args.workload]
     rows = [row for name in names
             for row in measure(name, WORKLOADS[name](args.capacity, geometry, args.seed), args.capacity, geometry)]
@@ -135,6 +141,22 @@ def run(args: argparse.Namespace) -> int:
             print(f"cost {c.policy:<8} {c.bytes_per_key:>7.0f} B per key {c.ns_per_op:>7.0f} ns per operation")
     if args.plot:
         plot(rows, args.plot)
+    return 0
+
+
+def run_hints(workload: str, args: argparse.Namespace, geometry: Geometry) -> int:
+    """The tenants or agent table: per policy, what the quota table or the session hint keeps."""
+    about = trace_tenants.describe(workload, args.capacity, geometry, args.seed)
+    if workload == TENANTS:
+        rows: list = trace_tenants.tenant_rows(args.capacity, geometry, args.seed)
+        table = trace_tenants.format_tenants(rows)
+    else:
+        rows = trace_tenants.agent_rows(args.capacity, geometry, args.seed)
+        table = trace_tenants.format_agent(rows)
+    if args.json:
+        print(json.dumps({"workload": workload, "trace": about, "rows": [asdict(r) for r in rows]}, indent=2))
+    else:
+        print(f"{workload}: {about}\n{table}")
     return 0
 
 

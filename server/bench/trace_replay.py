@@ -16,8 +16,9 @@ when its own next use is further than that victim's.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,8 +30,10 @@ from kvtier.server.keys import ChunkKeys, Namespace
 from kvtier.server.l1.holdings import ClientState
 from kvtier.server.l1.holds import Holds
 from kvtier.server.l1.pool import PagePool
+from kvtier.server.l1.reconfig import set_quotas
 from kvtier.server.l1.store import L1Store
 from kvtier.server.metrics import Metrics
+from kvtier.server.tenants import QuotaTable
 
 BELADY = "belady"
 NEVER = 1 << 62
@@ -41,7 +44,10 @@ class ReplayServer(Protocol):
 
     def lookup(self, engine: int, chunks: Sequence[ChunkKeys]) -> list[int]: ...
 
-    def store(self, engine: int, chunks: Sequence[ChunkKeys], sizes: Sequence[int]) -> None: ...
+    def store(self, engine: int, chunks: Sequence[ChunkKeys], sizes: Sequence[int], hint: p.Hint = p.NO_HINT
+              ) -> None: ...
+
+    def end_session(self, session: str) -> bool: ...  # called only by traces with sessions
 
 
 def replay_namespace(geometry: Geometry) -> Namespace:
@@ -51,34 +57,46 @@ def replay_namespace(geometry: Geometry) -> Namespace:
 
 class InProcessServer:
     """The server's `Cache` over an L1 of `capacity` pages (no lower tier), one registered client per engine,
-    called as rpc.py calls it."""
+    called as rpc.py calls it. An engine named in `salts` registers the namespace with that cache salt (a
+    tenant's engine, `kvtier.tenant`); `quotas` is the L1's tenant quota table."""
 
-    def __init__(self, policy: EvictionPolicy, capacity: int, geometry: Geometry) -> None:
+    def __init__(self, policy: EvictionPolicy, capacity: int, geometry: Geometry,
+                 salts: Mapping[int, str] | None = None, quotas: QuotaTable | None = None) -> None:
         metrics = Metrics()
         self.l1 = L1Store(PagePool(capacity, geometry.page_bytes), policy, metrics)
         self.holds = Holds(self.l1, metrics)
         self.cache = Cache(self.l1, self.holds, metrics)
         self.ns = replay_namespace(geometry)
         self.fp = self.holds.register(self.ns)
+        self.salts = dict(salts or {})
+        self.fps: dict[int, bytes] = {}  # engine -> the fingerprint of its namespace
+        if quotas is not None:
+            set_quotas(self.l1, quotas)
 
-    def _owner(self, engine: int) -> ClientState:
+    def _owner(self, engine: int) -> tuple[ClientState, bytes]:
         ident = engine.to_bytes(4, "little")
         if ident not in self.holds.clients:
             self.holds.hello(ident, f"engine-{engine}", 0)
-            self.holds.register(self.ns, self.holds.clients[ident])
-        return self.holds.client(ident)
+            salt = self.salts.get(engine)
+            ns = self.ns if salt is None else dataclasses.replace(self.ns, cache_salt=salt)
+            self.fps[engine] = self.holds.register(ns, self.holds.clients[ident])
+        return self.holds.client(ident), self.fps[engine]
 
     def lookup(self, engine: int, chunks: Sequence[ChunkKeys]) -> list[int]:
-        self._owner(engine)
-        found = self.cache.lookup(self.fp, [list(c.block_keys) for c in chunks])
+        fp = self._owner(engine)[1]
+        found = self.cache.lookup(fp, [list(c.block_keys) for c in chunks])
         self.l1.flush_touches()  # as the serving loop does right after the reply
         return [match for _, match in found.hits]
 
-    def store(self, engine: int, chunks: Sequence[ChunkKeys], sizes: Sequence[int]) -> None:
-        owner = self._owner(engine)
+    def store(self, engine: int, chunks: Sequence[ChunkKeys], sizes: Sequence[int], hint: p.Hint = p.NO_HINT
+              ) -> None:
+        owner, fp = self._owner(engine)
         items = [p.StoreItem(c.key, size, len(c.block_keys), c.aliases) for c, size in zip(chunks, sizes, strict=True)]
-        results = self.holds.reserve(owner, self.fp, items)
+        results = self.holds.reserve(owner, fp, items, hint=hint)
         self.cache.commit(owner, [r[1] for r in results if r[0] == p.RESERVED])
+
+    def end_session(self, session: str) -> bool:
+        return self.cache.end_session(session)
 
 
 @dataclass
@@ -117,18 +135,26 @@ def drive(server: ReplayServer, trace: Trace, geometry: Geometry,
         skip = hit // cb  # the connector does not offer again the whole chunks it was just served
         if skip * cb < whole:
             chunks = chunks_of(read.doc, whole, cb)[skip:]
-            server.store(read.engine, chunks, [len(c.block_keys) * geometry.block_bytes for c in chunks])
+            sizes = [len(c.block_keys) * geometry.block_bytes for c in chunks]
+            if read.session:
+                server.store(read.engine, chunks, sizes, p.Hint(session=read.session))
+            else:
+                server.store(read.engine, chunks, sizes)
+        if read.end:
+            server.end_session(read.session)
     return outcome
 
 
-def replay(policy: str, trace: Trace, capacity: int, geometry: Geometry) -> Outcome:
-    """`trace` through the connector's steps against an in-process server of `capacity` pages."""
+def replay(policy: str, trace: Trace, capacity: int, geometry: Geometry, salts: Mapping[int, str] | None = None,
+           quotas: QuotaTable | None = None) -> Outcome:
+    """`trace` through the connector's steps against an in-process server of `capacity` pages (engines named
+    in `salts` in their tenant's namespace, under the quota table `quotas`)."""
     if capacity < 1:
         raise ValueError("capacity must be at least one page")
     if policy == BELADY:
         oracle = BeladyPolicy(trace, geometry)
-        return drive(InProcessServer(oracle, capacity, geometry), trace, geometry, oracle.advance)
-    return drive(InProcessServer(make_policy(policy), capacity, geometry), trace, geometry)
+        return drive(InProcessServer(oracle, capacity, geometry, salts, quotas), trace, geometry, oracle.advance)
+    return drive(InProcessServer(make_policy(policy), capacity, geometry, salts, quotas), trace, geometry)
 
 
 class BeladyPolicy(EvictionPolicy):

@@ -59,11 +59,14 @@ class Geometry:
 
 @dataclass(frozen=True)
 class Read:
-    """One request: engine `engine` sends the first `tokens` tokens of document (or session) `doc`."""
+    """One request: engine `engine` sends the first `tokens` tokens of document (or session) `doc`; a turn of
+    an agent session stores with the hint `session` and the session's last turn (`end`) ends it."""
 
     engine: int
     doc: int
     tokens: int
+    session: str = ""
+    end: bool = False
 
 
 Trace = list[Read]

@@ -120,9 +120,10 @@ class Holds:
         """Per item: [status, reservation id, extents] or [REFUSED, reason] / [EXISTS] / [BUSY]. The journal
         names the owner's lock as the pages' writer unless a copier of this daemon writes them (`client_writes`
         False: the copier dies with the daemon). The request's `hint` applies to what it stores and to the
-        chunks it offers that exist (l1/retention.py)."""
+        chunks it offers that exist (l1/retention.py); a store the hint keeps skips the policy's admission."""
         self._may_hold_pages(owner)
         store = self.store
+        keeps = hint.retain_s > 0 or bool(hint.session)
         ns, pool = store.namespace(fp), store.pool
         for item in items:
             item.check_fits(ns.blocks_per_chunk, pool.pages_for(item.size) * pool.page_size, store.min_block_bytes)
@@ -152,7 +153,7 @@ class Holds:
                 got: Extents | str = p.PREFIX_REFUSED
             else:
                 with self._writing(owner.lock if client_writes else "", res.rid):
-                    got = store.begin_insert(item.key, item.size, res, fp=fp)
+                    got = store.begin_insert(item.key, item.size, res, fp=fp, admit=not keeps)
             if res is None or isinstance(got, str):
                 broken = True
                 self.metrics.refused.labels(got).inc()

@@ -215,8 +215,7 @@ class L1Store:
         self.flush_touches()
         tenant = book.tenant(fp) if book.table is not None and fp else None
         could = pool.free_pages < npages <= min(pool.num_pages, pool.free_pages + self.evictable_pages)
-        if admit and could and not (tenant is not None and (book.usage[tenant].pages + npages) * pool.page_size
-                                    <= book.limits[tenant].guaranteed) \
+        if admit and could and not (tenant is not None and book.within_guarantee(tenant, npages)) \
                 and not self.policy.admit(key, size, self._is_evictable):
             return p.NOT_ADMITTED
         reason = self.make_room(npages, tenant)
@@ -227,12 +226,15 @@ class L1Store:
         extents = self.pool.allocate(npages)
         assert extents is not None  # make_room guaranteed the pages
         self.busy[key] = token
+        if tenant is not None:
+            book.writing(key, (tenant, npages))
         return extents
 
     def end_busy(self, key: bytes, token: object) -> None:
         """`token`'s insert of `key` is over (committed, aborted or lapsed): another may start one."""
         if self.busy.get(key) is token:
             del self.busy[key]
+            self.tenants.writing(key, None)
 
     def insert(self, entry: Entry) -> Entry:
         """Make a chunk whose bytes are in its pages visible (a commit, or a promotion from a lower tier)."""
@@ -325,6 +327,8 @@ class L1Store:
                 return p.RETAINED if self.kept_pages else p.TENANT_MAX
         if pool.free_pages + self.evictable_pages < npages:
             return p.RETAINED if pool.free_pages + self.evictable_pages + self.kept_pages >= npages else p.NO_SPACE
+        if tenant is not None and book.within_guarantee(tenant, npages):  # grows into it: others' room first
+            self.evict_while(lambda: pool.free_pages < npages, "capacity", book.may_evict(tenant, own=False))
         self.evict_while(lambda: pool.free_pages < npages, "capacity", book.may_evict(tenant))
         if pool.free_pages >= npages:
             return None

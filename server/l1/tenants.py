@@ -3,8 +3,10 @@
 
 Without a quota table every namespace is in the default tenant `*` and the store makes room exactly as the
 policy orders. With one, a store by tenant T evicts only chunks `may_evict` allows: T's own, or another
-tenant's while that tenant stays at or above its guarantee. The policy's walk is bounded: after WALK_BOUND
-protected chunks the victim comes from the per-tenant insertion order instead (`fallback`), so a guaranteed
+tenant's while that tenant stays at or above its guarantee; while the store keeps T within its guarantee, T
+takes the room from those others first and its own chunks only after, so T grows into its share instead of
+evicting its own chunks in the policy's order (a loop that fits its share is kept). The policy's walk is
+bounded: after WALK_BOUND protected chunks the victim comes from the per-tenant insertion order instead (`fallback`), so a guaranteed
 tenant's cold chunks at the front of the order never make a store walk the whole cache.
 """
 
@@ -52,6 +54,8 @@ class TenantBook:
         self.order: dict[str, dict[bytes, Entry]] = {DEFAULT_TENANT: {}}  # evictable-order fallback, oldest first
         self.low: dict[bytes, Entry] = {}  # low-priority entries, oldest first: evicted before the policy's order
         self.high = 0  # high-priority entries in the policy's order
+        self._writes: dict[bytes, tuple[str, int]] = {}  # key being written -> (tenant, pages): counted at once
+        self._writing_pages: dict[str, int] = {}
 
     # -- tenants and limits ----------------------------------------------------------------------
 
@@ -153,19 +157,38 @@ class TenantBook:
 
     # -- victims ---------------------------------------------------------------------------------
 
-    def over_max(self, tenant: str, npages: int) -> bool:
-        return self.usage[tenant].pages + npages > self.max_pages(tenant)
+    def writing(self, key: bytes, write: tuple[str, int] | None) -> None:
+        """A tenant's chunk is being written into `pages` (None: its write ended): its maximum counts it from
+        the reserve on, so that one request's items cannot take the tenant past it before they commit."""
+        if write is not None:
+            self._writes[key] = write
+            tenant, pages = write
+        elif (ended := self._writes.pop(key, None)) is not None:
+            tenant, pages = ended[0], -ended[1]
+        else:
+            return
+        self._writing_pages[tenant] = self._writing_pages.get(tenant, 0) + pages
 
-    def may_evict(self, tenant: str | None) -> Callable[[Entry], bool] | None:
-        """Which chunks a store by `tenant` may evict (None: any, as the policy orders)."""
+    def over_max(self, tenant: str, npages: int) -> bool:
+        return self.usage[tenant].pages + self._writing_pages.get(tenant, 0) + npages > self.max_pages(tenant)
+
+    def may_evict(self, tenant: str | None, own: bool = True) -> Callable[[Entry], bool] | None:
+        """Which chunks a store by `tenant` may evict (None: any, as the policy orders): other tenants' that stay
+        at or above their guarantee, and (if `own`) its own."""
         if self.table is None or tenant is None:
             return None
         usage, limits, ps = self.usage, self.limits, self.page_size
 
         def allowed(entry: Entry) -> bool:
             owner = entry.tenant
-            return owner == tenant or (usage[owner].pages - entry.pages) * ps >= limits[owner].guaranteed
+            if owner == tenant:
+                return own
+            return (usage[owner].pages - entry.pages) * ps >= limits[owner].guaranteed
         return allowed
+
+    def within_guarantee(self, tenant: str, npages: int) -> bool:
+        """Whether a store of `npages` keeps `tenant` within its guaranteed share."""
+        return (self.usage[tenant].pages + npages) * self.page_size <= self.limits[tenant].guaranteed
 
     def own(self, tenant: str) -> Callable[[Entry], bool]:
         return lambda entry: entry.tenant == tenant

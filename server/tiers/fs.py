@@ -22,10 +22,12 @@ from kvtier.server.events import Cleared as ClearedEvent
 from kvtier.server.events import Removed, Stored
 from kvtier.server.eviction import EvictionPolicy, LRUPolicy, make_policy
 from kvtier.server.index import PrefixIndex
-from kvtier.server.keys import KEY_BYTES
+from kvtier.server.keys import KEY_BYTES, Namespace
 from kvtier.server.metrics import Metrics, TierMetrics
+from kvtier.server.tenants import QuotaTable
 from kvtier.server.tiers import fs_io
 from kvtier.server.tiers.base import Cleared, LowerTier
+from kvtier.server.tiers.fs_tenants import FsTenants, TenantCollector
 from kvtier.server.tiers.record import ChunkMeta, CorruptChunk
 
 log = logging.getLogger("kvtier.server.l2")
@@ -47,6 +49,7 @@ class FsOptions:
     odirect: bool = False
     eviction_policy: str = "lru"
     queue_depth: int = 1024
+    tenant_quotas: QuotaTable | None = None  # shares of `capacity_bytes` per tenant (fs_tenants.py)
 
 
 def make_tier(options: FsOptions, metrics: Metrics) -> FsTier:
@@ -54,8 +57,10 @@ def make_tier(options: FsOptions, metrics: Metrics) -> FsTier:
     m = TierMetrics(metrics, FsTier.name, "L2", METRIC_HELP)
     tier = FsTier(options.path, options.capacity_bytes, options.odirect,
                   on_evict=lambda reason: metrics.evictions.labels(FsTier.name, reason).inc(),
-                  on_corrupt=m.corrupt.inc, policy=make_policy(options.eviction_policy))
+                  on_corrupt=m.corrupt.inc, policy=make_policy(options.eviction_policy),
+                  tenant_quotas=options.tenant_quotas)
     tier.m = m
+    metrics.registry.register(TenantCollector(FsTier.name, tier.tenant_rows))
     return tier
 
 
@@ -69,6 +74,7 @@ class FsTier(LowerTier):
         self, path: str, capacity_bytes: int, odirect: bool = False,
         on_evict: Callable[[str], None] | None = None, on_corrupt: Callable[[], None] | None = None,
         progress_every: int = SCAN_PROGRESS_EVERY, policy: EvictionPolicy | None = None,
+        tenant_quotas: QuotaTable | None = None,
     ) -> None:
         self.path = os.path.abspath(path)
         os.makedirs(self.path, mode=0o700, exist_ok=True)  # an existing directory keeps its mode
@@ -87,6 +93,7 @@ class FsTier(LowerTier):
         self._prefix: PrefixIndex[ChunkMeta] = PrefixIndex()  # chunk key or alias -> (record, leading blocks)
         self.policy = policy if policy is not None else LRUPolicy()  # victims, in file bytes; told of every put, read and removal
         self._used = 0  # bytes of indexed files plus the file being written
+        self.tenants = FsTenants(self._capacity, tenant_quotas)  # each tenant's share (ValueError: too big)
         self._unsynced = 0
         self.written = 0  # chunks whose file and rename are durable (directory fsynced)
         self.corrupt = 0
@@ -100,31 +107,59 @@ class FsTier(LowerTier):
         return len(self._index)
 
     def stats(self) -> dict:
-        """Whether O_DIRECT, asked for, was taken by the directory (AttachedTier adds the common facts)."""
-        return {f"{self.name}_odirect": self.odirect_active}
+        """Whether O_DIRECT, asked for, was taken by the directory, and the tenants' rows (AttachedTier adds
+        the common facts)."""
+        table = self.tenants.table
+        return {f"{self.name}_odirect": self.odirect_active, f"{self.name}_tenants": self.tenant_rows(),
+                f"{self.name}_tenant_quotas": table.text() if table is not None else ""}
+
+    def tenant_rows(self) -> list[dict]:
+        """Per tenant: bytes, files, limits, evictions and refusals by reason (any thread)."""
+        with self._lock:
+            self.tenants.refresh()
+            return self.tenants.rows()
+
+    def know_namespaces(self, lookup: Callable[[bytes], Namespace | None]) -> None:
+        self.tenants.lookup = lookup
+
+    def set_quotas(self, table: QuotaTable | None) -> dict:
+        """Apply a tenant quota table (None: none) at once: a tenant now over its maximum sheds its own chunks
+        in the policy's order (reason "quota"). ValueError, nothing changed, if the guarantees exceed the
+        tier."""
+        with self._lock:
+            self.tenants.set_table(table)
+            entries, nbytes = self._shed_locked()
+        return {"table": table.text() if table is not None else "", "evicted_entries": entries,
+                "evicted_bytes": nbytes}
 
     def _file(self, key: bytes) -> str:
         return os.path.join(self.path, fs_io.file_name(key))
 
-    def _index_add(self, meta: ChunkMeta) -> None:
+    def _index_add(self, meta: ChunkMeta, reserved: bool = False) -> None:
+        """Index a file (its bytes in `_used` and its tenant's already when `reserved`, as a put's are)."""
         self._index[meta.key] = meta
         self._prefix.add(meta, meta.key, meta.blocks, meta.aliases)
         self.policy.insert(meta.key, meta.file_bytes)
+        self.tenants.add(meta, reserved)
 
-    def _index_drop(self, key: bytes) -> ChunkMeta | None:
+    def _index_drop(self, key: bytes, reason: str | None = None) -> ChunkMeta | None:
+        """Forget a file; `reason` counts it as its tenant's eviction."""
         meta = self._index.pop(key, None)
         if meta is None:
             return None
+        self.tenants.drop(meta, reason)
         self._prefix.remove(meta, meta.key, meta.aliases)
         self.policy.remove(key)
         self._used -= meta.file_bytes
         return meta
 
-    def _evict_one_locked(self, reason: str) -> bool:
-        key = self.policy.pick_victim(self._index.__contains__)
+    def _evict_one_locked(self, reason: str, allowed: Callable[[ChunkMeta], bool] | None = None) -> bool:
+        """Evict the policy's next victim (among the chunks `allowed` names: fs_tenants.py); False if none."""
+        key = self.policy.pick_victim(self._index.__contains__) if allowed is None \
+            else self.tenants.victim(self.policy, self._index, allowed)
         if key is None:
             return False
-        meta = self._index_drop(key)
+        meta = self._index_drop(key, reason)
         fs_io.unlink_quiet(self._file(key))
         self.evicted += 1
         self._on_evict(reason)
@@ -151,19 +186,21 @@ class FsTier(LowerTier):
                 return False
             if need > self._capacity or meta.key in self._writing:
                 return False
-            if self._used + need > self._capacity and not self.policy.admit(
-                    meta.key, need, self._index.__contains__):
+            if self._used + need > self._capacity and not self.tenants.within_guarantee(meta.ns, need) \
+                    and not self.policy.admit(meta.key, need, self._index.__contains__):
                 return False
-            while self._used + need > self._capacity and self._evict_one_locked("capacity"):
-                pass
+            refused = self._make_room_locked(meta, need)
+            if refused:
+                self.tenants.refuse(self.tenants.tenant(meta.ns), refused)
+                return False
             self._used += need  # reserved before the write, so disk use never exceeds the budget
+            self.tenants.reserve(meta.ns, need)
             self._writing.add(meta.key)
         try:
             fs_io.write_file(self.path, meta, payload, self.odirect_active)
         except BaseException as exc:
             with self._lock:
-                self._used -= need
-                self._writing.discard(meta.key)
+                self._unreserve_locked(meta, need)
             if not isinstance(exc, OSError):
                 raise
             log.exception("L2 write of %s failed", meta.key.hex())
@@ -172,18 +209,37 @@ class FsTier(LowerTier):
             kept = keep is None or keep()
             if kept:
                 self._writing.discard(meta.key)
-                self._index_add(meta)
+                self._index_add(meta, reserved=True)
                 self._unsynced += 1
                 self.report(Stored(self.name, meta.ns, meta.key, meta.blocks, meta.aliases, meta.size))
         if not kept:
             fs_io.unlink_quiet(self._file(meta.key))
             with self._lock:
-                self._used -= need
-                self._writing.discard(meta.key)
+                self._unreserve_locked(meta, need)
             return False
         if self._unsynced >= SYNC_BATCH:
             self.sync()
         return True
+
+    def _unreserve_locked(self, meta: ChunkMeta, need: int) -> None:
+        self._used -= need
+        self.tenants.reserve(meta.ns, -need)
+        self._writing.discard(meta.key)
+
+    def _make_room_locked(self, meta: ChunkMeta, need: int) -> str | None:
+        """Evict for a put of `need` bytes: None when it may go ahead, else why it is refused. Without a
+        quota table, the policy's victims until it fits; with one, the rules of fs_tenants.py."""
+        if self.tenants.active:
+            return self.tenants.make_room(meta, need, self._evict_one_locked,
+                                          lambda: self._used + need > self._capacity)
+        while self._used + need > self._capacity and self._evict_one_locked("capacity"):
+            pass
+        return None
+
+    def _shed_locked(self) -> tuple[int, int]:
+        """Evict tenants' chunks over their maximum (fs_tenants.py): (chunks, bytes) removed."""
+        before = self._used
+        return self.tenants.shed(self._evict_one_locked), before - self._used
 
     def sync(self) -> None:
         with self._sync_lock:
@@ -222,7 +278,7 @@ class FsTier(LowerTier):
 
     def _drop_corrupt(self, key: bytes) -> None:
         with self._lock:
-            meta = self._index_drop(key)
+            meta = self._index_drop(key, "corrupt")
         fs_io.unlink_quiet(self._file(key))
         self.corrupt += 1
         self._on_corrupt()
@@ -230,7 +286,7 @@ class FsTier(LowerTier):
 
     def remove(self, key: bytes, reason: str = "removed") -> bool:
         with self._lock:
-            meta = self._index_drop(key)
+            meta = self._index_drop(key, reason)
         if meta is None:
             return False
         fs_io.unlink_quiet(self._file(key))
@@ -240,7 +296,7 @@ class FsTier(LowerTier):
 
     def clear(self, ns: bytes | None = None) -> Cleared:
         with self._lock:
-            gone = [self._index_drop(key) for key, m in list(self._index.items()) if ns is None or m.ns == ns]
+            gone = [self._index_drop(key, "clear") for key, m in list(self._index.items()) if ns is None or m.ns == ns]
         removed = [meta for meta in gone if fs_io.unlink_quiet(self._file(meta.key))]
         for _ in gone:
             self._on_evict("clear")
@@ -342,3 +398,4 @@ class FsTier(LowerTier):
                 self._used += meta.file_bytes
             while self._used > self._capacity and self._evict_one_locked("capacity"):
                 pass
+            self._shed_locked()

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.integration
 scalars = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70), st.floats(allow_nan=True),
     st.text(max_size=40), st.sampled_from(["all", "namespace", "tier", "l1", "l2", "lru", "lirs", "reuse", "debug", "00" * 16,
-                                           NS.fingerprint().hex(), "ab" * 16, "", NS.model]),
+                                           NS.fingerprint().hex(), "ab" * 16, "", NS.model, "tenant", "*",
+                                           "A=10%:50%", "*=0:1MiB", "A=1GiB"]),
 )
 json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=10),
                                                                                                    inner, max_size=5),

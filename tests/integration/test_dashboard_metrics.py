@@ -1,8 +1,8 @@
 """Every metric the Grafana dashboard queries exists in a real server's /metrics (issue #6, check 1).
 
-Starts `kvtier server` with the admin API, L2 and a remote tier (redis_servers.redis_standalone), runs a small
-workload with KVTierClient (stores that evict and are refused, lookups, retrieves, an error reply, a malformed
-frame) so the labelled series exist, scrapes
+Starts `kvtier server` with the admin API, L2, a remote tier (redis_servers.redis_standalone) and an L1 tenant
+quota table, runs a small workload with KVTierClient (stores that evict and are refused, lookups, retrieves, a
+tenant's stores past its maximum, an error reply, a malformed frame) so the labelled series exist, scrapes
 /metrics and checks every PromQL expression of deploy/observability/grafana-dashboard.json: each metric name
 must be a sample name of the scrape exactly as written (so a histogram is used as `_bucket`/`_sum`/`_count`
 and a counter as `_total`), and each label used in a selector or `by (...)` must be a label of the metrics it
@@ -40,6 +40,7 @@ PROMQL_FUNCS_AND_KEYWORDS = {
 }
 PROMETHEUS_LABELS = {"instance", "job"}
 IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+TENANT = "dash-tenant"
 
 
 # --------------------------------------------------------------------------- parsing
@@ -139,7 +140,8 @@ def server(tmp_path, redis_standalone):
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvtier.server.cli", "server", "--port", str(port), "--http-port", str(http_port),
          "--l1-size-gb", "0.05", "--shm-name", shm, "--no-l1-adopt", "--l2-path", str(tmp_path / "l2"), "--l2-size-gb", "0.2",
-         "--remote-url", redis_standalone, "--remote-prefix", f"dash-{uuid.uuid4().hex[:8]}"],
+         "--remote-url", redis_standalone, "--remote-prefix", f"dash-{uuid.uuid4().hex[:8]}",
+         "--l1-tenant-quotas", f"{TENANT}=10%:40%,*=20%"],
         stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
@@ -163,6 +165,8 @@ def workload(port: int) -> None:
     url = f"tcp://127.0.0.1:{port}"
     ns = Namespace(model="dash-test", dtype="bfloat16", num_layers=2, kv_heads=2, head_size=64, block_size=16,
                    layout="test", chunk_size=256, tp_size=1, tp_rank=0)
+    tenant_ns = Namespace(model="dash-test", dtype="bfloat16", num_layers=2, kv_heads=2, head_size=64,
+                          block_size=16, layout="test", chunk_size=256, cache_salt=TENANT)
     client = KVTierClient(ClientConfig(url=url, connect_timeout_s=5.0, request_timeout_s=10.0, strict=True))
     assert client.connect()
     chunk = 1 << 20  # 1 MiB chunks: 50 fit in 0.05 GiB, so 80 prompts evict
@@ -183,6 +187,15 @@ def workload(port: int) -> None:
             if hits == 1:  # stored already: a skipped store item (reason "exists")
                 assert client.store(ns, tokens, lambda _c: chunk, write).existing
     assert hits > 0
+    # L2's write-behind holds the chunks it has not copied yet: with L1 full of them a store finds no room
+    # (no_space), so the tenant's stores wait until it has caught up.
+    deadline = time.monotonic() + 30
+    while (client.stats() or {}).get("evictable_bytes", 0) < 30 * chunk and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # The tenant stores 30 MiB against its 40% maximum (~20 MiB): it sheds its own chunks (reason "quota").
+    for tokens in prompts[:30]:
+        client.store(tenant_ns, tokens, lambda _c: chunk, write)
+    assert sum(client.lookup(tenant_ns, tokens).tokens for tokens in prompts[:30]) > 0
     client.close()
 
     ctx = zmq.Context.instance()
@@ -203,8 +216,11 @@ def test_dashboard_metrics_exist_in_scrape(server):
     workload(port)
     _get(http_port, "/status")
     _get(http_port, "/metrics")  # the first scrape counts itself only afterwards
-    series = scrape_series(_get(http_port, "/metrics"))
+    text = _get(http_port, "/metrics")
+    series = scrape_series(text)
     assert "kvtier_hit_tokens_total" in series, sorted(series)
+    for name in ("kvtier_tenant_stored_tokens_total", "kvtier_tenant_hit_tokens_total", "kvtier_tenant_used_bytes"):
+        assert re.search(rf'^{name}{{tenant="{TENANT}"}} [1-9]', text, re.M), (name, text)
 
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = dashboard_exprs(dashboard)
@@ -230,7 +246,9 @@ def test_dashboard_metrics_exist_in_scrape(server):
     for name in ("kvtier_hit_tokens_total", "kvtier_requested_tokens_total", "kvtier_l1_used_bytes",
                  "kvtier_evictions_total", "kvtier_refused_stores_total", "kvtier_request_seconds_bucket",
                  "kvtier_l2_used_bytes", "kvtier_l2_capacity_bytes", "kvtier_remote_pending_lookups_total",
-                 "kvtier_remote_breaker_open"):
+                 "kvtier_remote_breaker_open", "kvtier_tenant_used_bytes", "kvtier_tenant_guaranteed_bytes",
+                 "kvtier_tenant_max_bytes", "kvtier_tenant_hit_tokens_total", "kvtier_tenant_requested_tokens_total",
+                 "kvtier_tenant_evictions_total", "kvtier_tenant_refused_stores_total"):
         assert name in used, name
     assert any("$prefill_s_per_token" in e for e in exprs)
 

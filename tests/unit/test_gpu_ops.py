@@ -135,6 +135,24 @@ def test_a_store_commits_only_after_its_copy_and_a_failed_copy_stores_nothing() 
     run(scenario())
 
 
+def test_a_gpu_store_carries_its_requests_hint_as_a_reserve_does() -> None:
+    async def scenario() -> None:
+        h, engine = setup()
+        ns, reg = await registered(h)
+        hint = p.Hint(0.0, p.PRIORITIES.index("high"), "conv-7")
+        reply = asyncio.ensure_future(call(h, {**store_message(ns, reg), "hint": hint.to_wire()}))
+        await asyncio.sleep(0)
+        engine.finish()
+        assert (await reply)["results"] == [["ok"], ["ok"]]
+        entries = list(h.cache.store.entries.values())
+        assert [(e.priority, e.session, e.kept) for e in entries] == [(2, "conv-7", True)] * 2
+        assert h.cache.end_session("conv-7") and not any(e.kept for e in entries)  # its session kept them
+        bad = await call(h, {**store_message(ns, reg, tokens=64), "hint": {"priority": "urgent"}})
+        assert bad["code"] == p.BAD_REQUEST and not engine.pending
+
+    run(scenario())
+
+
 def test_a_load_copies_the_named_blocks_and_reports_misses_and_failures_per_key() -> None:
     async def scenario() -> None:
         h, engine = setup()

@@ -31,6 +31,19 @@ def test_report_counts_skips_undelivered_tokens_and_verifications():
     assert sample(h, "kvtier_verify_mismatches_total", namespace=label) == 2
 
 
+def test_report_counts_ignored_hints_by_reason():
+    h, _ = registered()
+    assert all(sample(h, "kvtier_hints_ignored_total", reason=r) == 0 for r in p.HINT_IGNORED_REASONS)
+    assert call(h, {"op": "report", "id": 3, "hints_ignored": {"retain_s": 3, "unknown_key": 1}})["ok"]
+    assert sample(h, "kvtier_hints_ignored_total", reason="retain_s") == 3
+    assert sample(h, "kvtier_hints_ignored_total", reason="unknown_key") == 1
+    # a reason outside the fixed set is refused, so a client cannot grow the label set
+    reply = call(h, {"op": "report", "id": 4, "hints_ignored": {"made_up": 1, "retain_s": 1}})
+    assert reply["code"] == p.BAD_REQUEST
+    assert sample(h, "kvtier_hints_ignored_total", reason="retain_s") == 3
+    assert h.metrics.registry.get_sample_value("kvtier_hints_ignored_total", {"reason": "made_up"}) is None
+
+
 def test_a_refused_report_counts_nothing():
     h, fp = registered()
     reply = call(h, {"op": "report", "id": 3, "skipped": {p.SKIP_LORA: 2, "nope": 1}})

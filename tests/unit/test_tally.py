@@ -79,3 +79,21 @@ def test_no_thread_until_something_is_counted():
     time.sleep(0.05)
     tally.close()
     assert server.got == [] and tally._thread is None
+
+
+def test_ignored_hints_are_reported_by_reason_and_kept_while_unreachable():
+    server = Server()
+    server.up = False
+    tally = Tally(server.send, every_s=0.02)
+    tally.hint_ignored("retain_s")
+    tally.hint_ignored("retain_s")
+    time.sleep(0.1)  # failed sends
+    server.up = True
+    tally.hint_ignored("unknown_key")
+    tally.close()
+    totals: dict = {}
+    for counts, ns in server.got:
+        assert ns is None
+        for k, v in counts.get("hints_ignored", {}).items():
+            totals[k] = totals.get(k, 0) + v
+    assert totals == {"retain_s": 2, "unknown_key": 1}

@@ -236,3 +236,14 @@ def test_a_policy_swap_leaves_kept_chunks_out_of_the_order() -> None:
     assert kept not in l1.store.policy
     l1.holds.retention.end("s")
     assert kept in l1.store.policy
+
+
+def test_a_maximum_counts_the_pages_of_one_reserves_earlier_items() -> None:
+    l1 = L1("lru", "A=0:25%")
+    items = [p.StoreItem(digest(b"one-request/%d" % i), PAGE, 1, ()) for i in range(PAGES // 4 + 3)]
+    got = l1.holds.reserve(l1.client, l1.fp["A"], items)
+    assert [g[0] for g in got] == [p.RESERVED] * (PAGES // 4) + [p.REFUSED] * 3
+    assert got[PAGES // 4] == [p.REFUSED, p.TENANT_MAX]
+    l1.holds.commit(l1.client, [g[1] for g in got if g[0] == p.RESERVED])
+    assert l1.tenant_pages("A") == PAGES // 4
+    assert l1.store_one("A")[1][0] == p.RESERVED  # the writes ended: it makes room from its own again
