@@ -23,6 +23,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
+from kvtier.connector.vllm import hook_times
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.connector.vllm.policy import recompute_failed_loads, refuse_unsupported_layers
 from kvtier.connector.vllm.scheduler import SchedulerSide, kv_bytes_per_token
@@ -83,6 +84,8 @@ class KVTierConnector(KVConnectorBase_V1):
             recompute_failed_loads(vllm_config)
             side = self._scheduler = SchedulerSide(vllm_config, self.options, kv_cache_config)
         self.side = side
+        # KVTIER_HOOK_TIMES=DIR: time this side's hooks (hook_times.py); unset, nothing is wrapped
+        self._hook_times = hook_times.install(self, "worker" if self._worker is not None else "scheduler")
         side.client.connect()  # a miss-only start if the server is down; the client retries later
         if self._scheduler is not None and self._scheduler.engine_events is not None:
             self._scheduler.engine_events.start()  # subscribed before the engine serves: no store is missed
@@ -152,3 +155,5 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self.side.shutdown()  # the scheduler's and each worker's client
+        if self._hook_times is not None:
+            self._hook_times.write()
