@@ -1,6 +1,7 @@
-"""An old commit against this tree, interleaved: kvtier bench lookup, datapath and l2 (ratios new/old).
+"""An old commit against this tree, interleaved: kvtier bench lookup, datapath and l2 (ratios new/old), or the
+benches named (`node`, the daemon's CPU per operation under `kvtier bench node`, needs an old commit that has it).
 
-    .venv/bin/python scripts/compare_commits.py OLD_REV [ROUNDS]
+    .venv/bin/python scripts/compare_commits.py OLD_REV [ROUNDS] [BENCH,BENCH,...]
 
 The old commit is checked out as a git worktree under $TMPDIR and run from the same venv with PYTHONPATH
 pointing at its four packages (their servers inherit it); each round runs every bench for both, alternating
@@ -38,6 +39,7 @@ BENCHES = {
     "datapath": ["bench", "datapath", "--json"],
     "l2": ["bench", "l2", "--json"],
 }
+OPTIONAL = {"node": ["bench", "node", "--clients", "1,4", "--seconds", "5", "--echo-seconds", "2", "--json"]}
 def run(version, args):
     env = dict(os.environ)
     if version == "old":
@@ -52,6 +54,9 @@ def figures(name, d):
     if name == "lookup":
         return {f"lookup p50 ratio to echo @{lv['entries']}": lv["ratio_p50"] for lv in d["levels"]} | {
             f"lookup p50 us @{lv['entries']}": lv["latency"]["kvtier_lookup"]["p50_us"] for lv in d["levels"]}
+    if name == "node":
+        return {f"node daemon CPU us/op @N={row['clients']}": row["kvtier"]["cpu_us_per_op"] for row in d["rows"]} | {
+            f"node ops/s @N={row['clients']}": row["kvtier"]["ops_per_s"] for row in d["rows"]}
     if name == "datapath":
         return {f"datapath {k}": v for k, v in d["headline"].items()} | {"datapath store GB/s (largest chunk)": d["figure"]["value"]}
     return {f"l2 ratio {k}": v for k, v in d["ratios"].items()} | {
@@ -59,6 +64,8 @@ def figures(name, d):
         "l2 L1-hit lookup p50 us": d["lookup"]["l1_hit_lookup"]["p50_us"]}
 OLD_PKG = prepare(sys.argv[1])
 rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 2
+if len(sys.argv) > 3:
+    BENCHES = {name: {**BENCHES, **OPTIONAL}[name] for name in sys.argv[3].split(",")}
 results = {"old": {}, "new": {}}
 t0 = time.time()
 for r in range(rounds):
