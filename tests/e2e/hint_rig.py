@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import harness
+import pytest
 
 BLOCK = 128  # vLLM's CPU block size
 CHUNK = 256  # kvtier.chunk_size (the default)
@@ -155,16 +156,28 @@ def module_rig(python: Path, model: Path, logdir: Path, l1_gb: float, args: Sequ
     return rig
 
 
-def rig_logdir(name: str, tmp_path_factory: Any) -> Path:
-    """The rig's log folder: under KVTIER_E2E_LOGDIR when set (CI keeps it), else a temporary one."""
-    base = os.environ.get("KVTIER_E2E_LOGDIR")
-    return Path(base) / name if base else tmp_path_factory.mktemp(f"{name}-logs")
+def rig_fixtures(name: str, l1_gb: float, args: Sequence[str] = ()) -> tuple[Any, Any]:
+    """A test module's fixtures: `rig`, one vLLM for the module (on a kvtier server of `l1_gb`, `args`), and an
+    autouse `_kill_leftovers` that overrides conftest's (the module's vLLM stays up from test to test; kvtier is
+    each test's own). Assign both at the module's top level: `rig, _kill_leftovers = rig_fixtures(...)`."""
 
+    @pytest.fixture(scope="module")
+    def rig(tiny_model: Path, vllm_python: Path, tmp_path_factory: Any):
+        base = os.environ.get("KVTIER_E2E_LOGDIR")
+        logdir = Path(base) / name if base else tmp_path_factory.mktemp(f"{name}-logs")
+        r = module_rig(vllm_python, tiny_model, logdir, l1_gb, args)
+        try:
+            yield r
+        finally:
+            r.stop()
 
-def kill_leftovers(rig: Rig) -> None:
-    """What a test left running besides the module's vLLM and the test's kvtier (conftest's autouse fixture
-    would kill the module's vLLM too)."""
-    with harness._LIVE_LOCK:
-        leftovers = [p for p in harness._LIVE if p is not rig.vllm and p is not rig.kv]
-    for proc in leftovers:
-        proc.kill9()
+    @pytest.fixture(autouse=True)
+    def _kill_leftovers(request: Any):
+        yield
+        rig = request.getfixturevalue("rig")
+        with harness._LIVE_LOCK:
+            leftovers = [p for p in harness._LIVE if p is not rig.vllm and p is not rig.kv]
+        for proc in leftovers:
+            proc.kill9()
+
+    return rig, _kill_leftovers

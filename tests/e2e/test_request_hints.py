@@ -23,7 +23,7 @@ from pathlib import Path
 
 import harness
 import pytest
-from hint_rig import BLOCK, FULL, PROMPT_LEN, Rig, chunks_of, hints, kill_leftovers, module_rig, rig_logdir
+from hint_rig import BLOCK, FULL, PROMPT_LEN, Rig, chunks_of, hints, rig_fixtures
 
 pytestmark = pytest.mark.e2e
 
@@ -31,20 +31,7 @@ L1_GB = 0.0625  # 64 MiB: 256 blocks of the tiny model, about 17 stored 2,000-to
 LRU = ["--eviction-policy", "lru"]
 
 
-@pytest.fixture(scope="module")
-def rig(tiny_model: Path, vllm_python: Path, tmp_path_factory):
-    r = module_rig(vllm_python, tiny_model, rig_logdir("test_request_hints", tmp_path_factory), L1_GB, LRU)
-    try:
-        yield r
-    finally:
-        r.stop()
-
-
-@pytest.fixture(autouse=True)
-def _kill_leftovers(request):
-    """Overrides conftest's: the module's vLLM stays up from test to test; kvtier is each test's own."""
-    yield
-    kill_leftovers(request.getfixturevalue("rig"))
+rig, _kill_leftovers = rig_fixtures("test_request_hints", L1_GB, LRU)
 
 
 def l2_files(l2: Path) -> set[Path]:

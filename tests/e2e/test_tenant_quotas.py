@@ -14,11 +14,9 @@ part of B's documents by itself). Every request answers HTTP 200. One vLLM serve
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import harness
 import pytest
-from hint_rig import BLOCK, BLOCK_BYTES, FULL, PROMPT_LEN, Rig, Served, kill_leftovers, module_rig, rig_logdir
+from hint_rig import BLOCK, BLOCK_BYTES, FULL, PROMPT_LEN, Rig, Served, rig_fixtures
 
 pytestmark = pytest.mark.e2e
 
@@ -29,20 +27,7 @@ A, B = {"cache_salt": "tenant-a"}, {"cache_salt": "tenant-b"}
 DOCS = 3  # B's documents: 45 blocks, within its guaranteed half of L1 (128 blocks)
 
 
-@pytest.fixture(scope="module")
-def rig(tiny_model: Path, vllm_python: Path, tmp_path_factory):
-    r = module_rig(vllm_python, tiny_model, rig_logdir("test_tenant_quotas", tmp_path_factory), L1_GB, LRU)
-    try:
-        yield r
-    finally:
-        r.stop()
-
-
-@pytest.fixture(autouse=True)
-def _kill_leftovers(request):
-    """Overrides conftest's: the module's vLLM stays up from test to test; kvtier is each test's own."""
-    yield
-    kill_leftovers(request.getfixturevalue("rig"))
+rig, _kill_leftovers = rig_fixtures("test_tenant_quotas", L1_GB, LRU)
 
 
 def flooded(rig: Rig, args: list[str], seed: int) -> tuple[list[tuple[list[int], list[int], Served]], dict]:
