@@ -26,6 +26,7 @@ from kvtier.connector.vllm.meta import ConnectorOptions, KVTierMetadata  # noqa:
 from kvtier.connector.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.server import protocol as p  # noqa: E402
 from kvtier.server.keys import Namespace, RequestIdentity  # noqa: E402
+from vllm_fakes import FakeModel
 
 pytestmark = pytest.mark.unit
 
@@ -116,23 +117,9 @@ def test_tenant_is_another_name_for_cache_salt():
 # -- the scheduler's decisions --------------------------------------------------------------------
 
 
-class _Model:
-    model, revision, dtype, quantization = "hints-test-model", "", "bfloat16", None
-    hf_config = SimpleNamespace(hidden_size=256, num_hidden_layers=4)
-
-    def get_num_layers(self, parallel: Any) -> int:
-        return 4
-
-    def get_num_kv_heads(self, parallel: Any) -> int:
-        return 2
-
-    def get_head_size(self) -> int:
-        return 64
-
-
 def vllm_config() -> SimpleNamespace:
     return SimpleNamespace(
-        model_config=_Model(), parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=FakeModel("hints-test-model"), parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto", kv_cache_layout=None),
         device_config=SimpleNamespace(device_type="cpu"), lora_config=None)
 

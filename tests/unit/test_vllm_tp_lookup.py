@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
@@ -20,6 +19,7 @@ from kvtier.connector.results import LookupResult  # noqa: E402
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide  # noqa: E402
 from kvtier.connector.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.server.keys import Namespace, RequestIdentity  # noqa: E402
+from vllm_fakes import FakeModel
 
 pytestmark = pytest.mark.unit
 
@@ -27,23 +27,9 @@ BS = 16
 OPTIONS = ConnectorOptions(url="tcp://127.0.0.1:9", chunk_size=64, model_id="tp-test-model")
 
 
-class _Model:
-    model, revision, dtype, quantization = "tp-test-model", "", "bfloat16", None
-    hf_config = SimpleNamespace(hidden_size=256, num_hidden_layers=4)
-
-    def get_num_layers(self, parallel: Any) -> int:
-        return 4
-
-    def get_num_kv_heads(self, parallel: Any) -> int:
-        return 2
-
-    def get_head_size(self) -> int:
-        return 64
-
-
 def vllm_config(tp: int) -> SimpleNamespace:
     return SimpleNamespace(
-        model_config=_Model(), parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=FakeModel("tp-test-model"), parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
         cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto", kv_cache_layout=None),
         device_config=SimpleNamespace(device_type="cpu"), lora_config=None)
 
