@@ -7,17 +7,24 @@ the engine's part, else to the default tenant `*`. Clients never create tenants:
 the per-tenant metric labels stay bounded (at most MAX_TENANTS names and `*`).
 
 Table syntax: `NAME=GUARANTEED[:MAXIMUM],...`, each amount in bytes (`512MiB`, `2GB`, `1048576`) or a share of
-the tier (`30%`); a missing maximum is the whole tier. Imports nothing of kvtier: l1/ and tiers/ both use it.
+the tier (`30%`); a missing maximum is the whole tier. Also the bounded walk both tiers choose victims with
+(`bounded_pick`). Imports nothing of kvtier at run time: l1/ and tiers/ both use it.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from kvtier.server.eviction.base import EvictionPolicy
 
 DEFAULT_TENANT = "*"
 MAX_TENANTS = 64
+WALK_BOUND = 16  # chunks a victim search may pass in the policy's order before it takes a fallback
+T = TypeVar("T")
 _NAME = re.compile(r"^[A-Za-z0-9_.:@/+-]{1,128}$")
 _AMOUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(%|[kKmMgGtT]i?[bB]?|[bB])?\s*$")
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "ki": 1 << 10, "m": 10**6, "mb": 10**6,
@@ -131,3 +138,28 @@ def tenant_of(cache_salt: str, names: Collection[str]) -> str:
             if part and part in names:
                 return part
     return DEFAULT_TENANT
+
+
+class Bounded(Exception):
+    """The policy's walk passed WALK_BOUND chunks it may not evict: the caller takes its victim elsewhere."""
+
+
+def bounded_pick(policy: EvictionPolicy, candidate: Callable[[bytes], T | None], allowed: Callable[[T], bool]
+                 ) -> bytes | None:
+    """The policy's next victim among the keys `candidate` resolves (None: not evictable at all) and `allowed`
+    takes; raises Bounded after WALK_BOUND candidates it refused (a guaranteed tenant's cold chunks at the front
+    of the order must not make a store walk the whole tier)."""
+    passed = 0
+
+    def evictable(key: bytes) -> bool:
+        nonlocal passed
+        item = candidate(key)
+        if item is None:
+            return False
+        if allowed(item):
+            return True
+        passed += 1
+        if passed > WALK_BOUND:
+            raise Bounded
+        return False
+    return policy.pick_victim(evictable)

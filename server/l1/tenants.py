@@ -6,8 +6,8 @@ policy orders. With one, a store by tenant T evicts only chunks `may_evict` allo
 tenant's while that tenant stays at or above its guarantee; while the store keeps T within its guarantee, T
 takes the room from those others first and its own chunks only after, so T grows into its share instead of
 evicting its own chunks in the policy's order (a loop that fits its share is kept). The policy's walk is
-bounded: after WALK_BOUND protected chunks the victim comes from the per-tenant insertion order instead (`fallback`), so a guaranteed
-tenant's cold chunks at the front of the order never make a store walk the whole cache.
+bounded (server/tenants.py's `bounded_pick`, shared with L2): after WALK_BOUND protected chunks the victim comes
+from the per-tenant insertion order instead (`fallback`).
 """
 
 from __future__ import annotations
@@ -18,15 +18,18 @@ from dataclasses import dataclass, field
 
 from kvtier.server.eviction.base import EvictionPolicy
 from kvtier.server.l1.entry import Entry
-from kvtier.server.tenants import DEFAULT_TENANT, Limits, QuotaTable, tenant_of
+from kvtier.server.tenants import (
+    DEFAULT_TENANT,
+    WALK_BOUND,
+    Bounded,
+    Limits,
+    QuotaTable,
+    bounded_pick,
+    tenant_of,
+)
 
-WALK_BOUND = 16  # protected chunks the policy's walk may pass per victim
 HIGH = 2  # protocol.PRIORITIES.index("high")
 LOW = 0
-
-
-class Bounded(Exception):
-    """The policy's walk passed WALK_BOUND chunks it may not evict: take the victim elsewhere."""
 
 
 @dataclass
@@ -199,33 +202,19 @@ class TenantBook:
         entries last); the per-tenant order when the policy's walk passes too many protected entries."""
         if self.low and (entry := self.first_low(allowed)) is not None:
             return entry
+        def evictable(key: bytes) -> Entry | None:
+            entry = entries.get(key)
+            return entry if entry is not None and entry.evictable else None
+
         for high in (False, True) if self.high else (True,):
             try:
-                key = policy.pick_victim(self.walker(entries, allowed, high))
+                key = bounded_pick(policy, evictable, lambda e, high=high: (allowed is None or allowed(e))
+                                   and (high or e.priority != HIGH))
             except Bounded:
                 break
             if key is not None:
                 return entries[key]
         return self.fallback(allowed)
-
-    def walker(self, entries: dict[bytes, Entry], allowed: Callable[[Entry], bool] | None, high: bool
-               ) -> Callable[[bytes], bool]:
-        """The policy's `evictable` for one victim: evictable, allowed, and (unless `high`) not high priority;
-        raises Bounded after WALK_BOUND evictable chunks it refused."""
-        passed = 0
-
-        def evictable(key: bytes) -> bool:
-            nonlocal passed
-            entry = entries.get(key)
-            if entry is None or not entry.evictable:
-                return False
-            if (allowed is None or allowed(entry)) and (high or entry.priority != HIGH):
-                return True
-            passed += 1
-            if passed > WALK_BOUND:
-                raise Bounded
-            return False
-        return evictable
 
     def first_low(self, allowed: Callable[[Entry], bool] | None) -> Entry | None:
         """The oldest evictable low-priority entry a store may evict (a bounded look)."""

@@ -29,20 +29,15 @@ from dataclasses import dataclass, field
 from kvtier.server.eviction.base import EvictionPolicy
 from kvtier.server.keys import Namespace
 from kvtier.server.protocol import TENANT_GUARANTEE, TENANT_MAX
-from kvtier.server.tenants import DEFAULT_TENANT, Limits, QuotaTable, tenant_of
+from kvtier.server.tenants import DEFAULT_TENANT, Bounded, Limits, QuotaTable, bounded_pick, tenant_of
 from kvtier.server.tiers.record import ChunkMeta
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 QUOTA = "quota"  # eviction reason: the tenant's own chunk, removed to keep it within its maximum
 EVICTIONS = ("capacity", QUOTA, "clear")  # reasons every tenant's series carry from the start (0 until the first)
 REFUSALS = (TENANT_MAX, TENANT_GUARANTEE)
-WALK_BOUND = 16  # chunks a victim search may pass in the policy's order before it takes the fallback (as L1)
 Allowed = Callable[[ChunkMeta], bool]
 Evict = Callable[[str, Allowed], bool]  # (reason, which chunks may go) -> whether a victim was evicted
-
-
-class Bounded(Exception):
-    """The policy's walk passed WALK_BOUND chunks it may not evict: take the victim from the fallback order."""
 
 
 @dataclass
@@ -242,22 +237,8 @@ class FsTenants:
     def victim(self, policy: EvictionPolicy, index: Mapping[bytes, ChunkMeta], allowed: Allowed) -> bytes | None:
         """The policy's next victim among the chunks `allowed` names; when its walk passes more than
         WALK_BOUND others (a guaranteed tenant's cold chunks at the front of the order), the fallback's."""
-        passed = 0
-
-        def evictable(key: bytes) -> bool:
-            nonlocal passed
-            meta = index.get(key)
-            if meta is None:
-                return False
-            if allowed(meta):
-                return True
-            passed += 1
-            if passed > WALK_BOUND:
-                raise Bounded
-            return False
-
         try:
-            return policy.pick_victim(evictable)
+            return bounded_pick(policy, index.get, allowed)
         except Bounded:
             return self._fallback(allowed)
 

@@ -15,9 +15,8 @@ from kvtier.server.l1.pool import PagePool
 from kvtier.server.l1.reconfig import set_policy, set_quotas
 from kvtier.server.l1.retention import DEFAULT_BOUNDS, HintBounds
 from kvtier.server.l1.store import L1Store
-from kvtier.server.l1.tenants import WALK_BOUND
 from kvtier.server.metrics import Metrics
-from kvtier.server.tenants import DEFAULT_TENANT, QuotaTable, tenant_of
+from kvtier.server.tenants import DEFAULT_TENANT, WALK_BOUND, QuotaTable, tenant_of
 from l1_helpers import MIN_BLOCK_BYTES, NS, PAGE, FakeClock, hello
 
 pytestmark = pytest.mark.unit

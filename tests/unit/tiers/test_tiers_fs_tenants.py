@@ -10,9 +10,8 @@ from kvtier.server.config import ServerConfig
 from kvtier.server.eviction import LRUPolicy
 from kvtier.server.keys import Namespace, digest
 from kvtier.server.metrics import Metrics
-from kvtier.server.tenants import QuotaTable
+from kvtier.server.tenants import WALK_BOUND, QuotaTable
 from kvtier.server.tiers.fs import FsOptions, FsTier, make_tier
-from kvtier.server.tiers.fs_tenants import WALK_BOUND
 from kvtier.server.tiers.record import ChunkMeta
 from prometheus_client import generate_latest
 
