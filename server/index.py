@@ -6,18 +6,32 @@ A chunk of n blocks is found by its own key (n blocks) and by each alias, the ke
 fallback holder, so when the holder goes, the shared leading blocks (a document followed by different
 questions) stay findable through the next one. A stored partial chunk whose own key is an alias of a
 longer chunk being added is *superseded*: the longer chunk serves the same leading blocks.
+
+An optional observer hears of every key as it enters the index and as it leaves it (and of `clear`), exactly
+once each: the tier's region of the presence filter (shm/presence.py) follows what the tier can find.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 H = TypeVar("H")
 
 
+class IndexObserver(Protocol):
+    """Told of each key entering (`add`) and leaving (`discard`) an index, and of `clear`."""
+
+    def add(self, key: bytes) -> None: ...
+
+    def discard(self, key: bytes) -> None: ...
+
+    def clear(self) -> None: ...
+
+
 class PrefixIndex(Generic[H]):
-    def __init__(self) -> None:
+    def __init__(self, observer: IndexObserver | None = None) -> None:
+        self.observer = observer
         self._map: dict[bytes, tuple[H, int]] = {}
         # Aliases another holder also has, per key: the fallbacks when the holder the index points to goes.
         self._shadowed: dict[bytes, list[tuple[H, int]]] = {}
@@ -32,29 +46,44 @@ class PrefixIndex(Generic[H]):
     def items(self) -> Iterator[tuple[bytes, tuple[H, int]]]:
         return iter(self._map.items())
 
+    def observe(self, observer: IndexObserver | None) -> None:
+        """Tell `observer` from now on (of every key indexed already, first)."""
+        self.observer = observer
+        if observer is not None:
+            observer.clear()
+            for key in self._map:
+                observer.add(key)
+
     def add(self, holder: H, key: bytes, blocks: int, aliases: Sequence[bytes]) -> None:
         """Index `holder` under its own key (all `blocks`) and its aliases (leading blocks 1, 2, ...)."""
+        observer = self.observer
+        if observer is not None and key not in self._map:
+            observer.add(key)
         self._map[key] = (holder, blocks)
         for j, alias in enumerate(aliases, start=1):
             if alias not in self._map:
                 self._map[alias] = (holder, j)
+                if observer is not None:
+                    observer.add(alias)
             else:
                 self._shadowed.setdefault(alias, []).append((holder, j))
 
     def remove(self, holder: H, key: bytes, aliases: Sequence[bytes]) -> None:
         """Forget `holder` under `key` and its aliases; an alias it held falls back to another holder."""
+        observer = self.observer
         for k in (key, *aliases):
             found = self._map.get(k)
             if found is not None and found[0] is holder:
                 del self._map[k]
             others = self._shadowed.get(k)
-            if others is None:
-                continue
-            others[:] = [o for o in others if o[0] is not holder]
-            if k not in self._map and others:
-                self._map[k] = others.pop()
-            if not others:
-                del self._shadowed[k]
+            if others is not None:
+                others[:] = [o for o in others if o[0] is not holder]
+                if k not in self._map and others:
+                    self._map[k] = others.pop()
+                if not others:
+                    del self._shadowed[k]
+            if observer is not None and (found is not None) != (k in self._map):
+                (observer.add if found is None else observer.discard)(k)
 
     def superseded(self, aliases: Sequence[bytes], key_of: Callable[[H], bytes]) -> list[H]:
         """Holders stored as their own chunk under one of `aliases`: partial chunks a longer one replaces."""
@@ -89,3 +118,5 @@ class PrefixIndex(Generic[H]):
     def clear(self) -> None:
         self._map.clear()
         self._shadowed.clear()
+        if self.observer is not None:
+            self.observer.clear()
