@@ -30,11 +30,13 @@ from kvtier.server.l1.retention import HintBounds
 from kvtier.server.metrics import FeedMetrics, GpuMetrics, Metrics
 from kvtier.server.rpc import RequestHandler
 from kvtier.server.tenant_tables import TenantTables
-from kvtier.server.tier_setup import make_tiers
+from kvtier.server.tier_setup import make_tiers, tier_options
 from kvtier.server.transfer.copiers import Copiers, CopiersConfig
 from kvtier.shm.client_lock import LockDirectory
 from kvtier.shm.journal import journal_bytes
-from kvtier.shm.segment import PairLock, check_space, tmpfs_options
+from kvtier.shm.presence import PresenceFile
+from kvtier.shm.presence import file_bytes as presence_bytes
+from kvtier.shm.segment import PRESENCE_NAME_SUFFIX, PairLock, check_space, tmpfs_options
 
 log = logging.getLogger("kvtier.server")
 
@@ -59,12 +61,19 @@ class Daemon:
         self.metrics = Metrics()
         num_pages = config.l1_bytes // config.page_size
         self.pair = PairLock(config.segment_name, config.shm_dir)  # first: nothing is touched without it
+        self.presence: PresenceFile | None = None
         try:
             check_space(config.shm_dir, l1_files(config))
+            # made anew before L1's index is (adopted chunks included): one region for L1, one per lower tier
+            self.presence = PresenceFile.create(config.segment_name + PRESENCE_NAME_SUFFIX,
+                                                1 + len(tier_options(config)), config.shm_dir,
+                                                int(config.shm_mode, 8), epoch=time.time_ns())
             self.l1 = open_l1(L1Files(config.segment_name, config.shm_dir, int(config.shm_mode, 8)), num_pages,
                               config.page_size, make_policy(config.eviction_policy), self.metrics,
-                              adopt=config.l1_adopt, discard=config.l1_discard, quarantine_s=config.reservation_ttl_s)
+                              adopt=config.l1_adopt, discard=config.l1_discard, quarantine_s=config.reservation_ttl_s,
+                              index_observer=self.presence.writer(0))
         except BaseException:
+            self._close_presence()
             self.pair.release()
             raise
         log.info("%s", self.l1.outcome)
@@ -77,8 +86,10 @@ class Daemon:
                       hints=HintBounds(config.hint_max_retain_s, config.hint_max_sessions, config.hint_session_idle_s))
         try:
             self.cache = Cache(store, holds, self.metrics, make_tiers(config, store, self.segment.array(), self.metrics))
+            self._observe_tiers()
             self.cache.open()  # lower tiers' index scans run before the server reports ready
         except BaseException:
+            self._close_presence()
             self.l1.abandon()
             self.pair.release()
             raise
@@ -108,6 +119,8 @@ class Daemon:
             allow_fake=config.gpu_fake_engine)
         segment_info = {"shm_name": self.segment.name, "shm_dir": config.shm_dir, "shm_size": self.segment.size,
                         "page_size": config.page_size}
+        if self.presence is not None:  # only when authoritative: a client trusts its "not held"
+            segment_info["presence"] = self.presence.name
         self.handler = RequestHandler(
             self.cache, segment_info, config.chunk_size, heartbeat_s=config.client_timeout_s / 3,
             token=config.admin_token, gpu=self.gpu,
@@ -166,10 +179,32 @@ class Daemon:
                 feed.stop()
             sock.close(0)
             ctx.term()
+            self._close_presence()
             outcome = self.l1.close()
             self.locks.sweep()
             self.pair.release(remove=True)
             log.info("kvtier server stopped; %s", outcome)
+
+    def _observe_tiers(self) -> None:
+        """Give each lower tier its region of the presence filter; when one has no local index to answer from
+        (a remote tier), no filter: it could not say "not held"."""
+        if self.presence is None:
+            return
+        accepted = [t.tier.observe_index(self.presence.writer(i)) for i, t in enumerate(self.cache.tiers, start=1)]
+        if all(accepted):
+            return
+        log.info("no presence filter: the %s tier has no local index of what it holds",
+                 next(t.tier.name for t, ok in zip(self.cache.tiers, accepted, strict=True) if not ok))
+        for t in self.cache.tiers:
+            t.tier.observe_index(None)
+        self.cache.store.index.observe(None)
+        self._close_presence()
+
+    def _close_presence(self) -> None:
+        """Mark the presence filter closed (clients mapping it ask the server again) and remove its file."""
+        if self.presence is not None:
+            self.presence.close()
+            self.presence = None
 
     def _start_feed(self, loop: asyncio.AbstractEventLoop) -> Feed | None:
         """The daemon event feed (--events-endpoint), publishing from now on; None when off."""
@@ -303,10 +338,12 @@ class Daemon:
 
 
 def l1_files(config: ServerConfig) -> dict[str, int]:
-    """The files L1 needs in --shm-dir at full size (name -> bytes): the segment, and its journal unless
-    --no-l1-adopt (docs/operations.md, "Sizing the shared-memory directory")."""
+    """The files L1 needs in --shm-dir at full size (name -> bytes): the segment, its presence filter (4 MiB a
+    local tier), and its journal unless --no-l1-adopt (docs/operations.md, "Sizing the shared-memory
+    directory")."""
     num_pages = config.l1_bytes // config.page_size
-    files = {config.segment_name: num_pages * config.page_size}
+    files = {config.segment_name: num_pages * config.page_size,
+             config.segment_name + PRESENCE_NAME_SUFFIX: presence_bytes(1 + len(tier_options(config)))}
     if config.l1_adopt:
         files[config.segment_name + JOURNAL_SUFFIX] = journal_bytes(half_bytes(num_pages, config.page_size,
                                                                                p.MIN_BLOCK_BYTES))

@@ -303,7 +303,8 @@ class SegmentFiles:
 
 JOURNAL_NAME_SUFFIX = ".journal"  # server/l1/adopt.py's JOURNAL_SUFFIX: a segment's journal beside it
 TENANTS_NAME_SUFFIX = ".tenants"  # server/tenant_tables.py: the tenant quota tables a warm restart keeps
-SIDECARS = (JOURNAL_NAME_SUFFIX, TENANTS_NAME_SUFFIX)
+PRESENCE_NAME_SUFFIX = ".presence"  # shm/presence.py: the presence filter, made anew at every start
+SIDECARS = (JOURNAL_NAME_SUFFIX, TENANTS_NAME_SUFFIX, PRESENCE_NAME_SUFFIX)
 
 
 def list_segments(directory: str = SHM_DIR) -> list[SegmentFiles]:
@@ -315,7 +316,8 @@ def list_segments(directory: str = SHM_DIR) -> list[SegmentFiles]:
         for entry in entries:
             if entry.is_file(follow_symlinks=False) and _NAME_RE.match(entry.name):
                 found[entry.name] = entry.stat(follow_symlinks=False)
-    bases = {name.removesuffix(JOURNAL_NAME_SUFFIX).removesuffix(TENANTS_NAME_SUFFIX).removesuffix(LOCK_SUFFIX)
+    bases = {name.removesuffix(JOURNAL_NAME_SUFFIX).removesuffix(TENANTS_NAME_SUFFIX)
+             .removesuffix(PRESENCE_NAME_SUFFIX).removesuffix(LOCK_SUFFIX)
              for name in found if name.endswith((*SIDECARS, LOCK_SUFFIX))}
     bases |= {name for name in found if name.startswith("kvtier") and ".client-" not in name
               and not name.endswith((*SIDECARS, LOCK_SUFFIX))}
@@ -347,6 +349,11 @@ def remove_unused(directory: str = SHM_DIR) -> list[SegmentFiles]:
             remove_stale(found.name, directory)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(directory, found.name + TENANTS_NAME_SUFFIX))
+            from kvtier.shm.presence import mark_closed  # it imports this module
+
+            mark_closed(found.name + PRESENCE_NAME_SUFFIX, directory)  # a client mapping it stops trusting it
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, found.name + PRESENCE_NAME_SUFFIX))
         except SegmentInUse:  # an older server, which takes no pair lock
             pair.release()
             continue

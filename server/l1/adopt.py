@@ -22,6 +22,7 @@ from itertools import chain
 
 from kvtier.server import protocol as p
 from kvtier.server.eviction.base import EvictionPolicy
+from kvtier.server.index import IndexObserver
 from kvtier.server.l1.entry import Entry
 from kvtier.server.l1.journal import L1Journal
 from kvtier.server.l1.journal_records import VERSION, half_bytes
@@ -86,21 +87,23 @@ class OpenedL1:
 
 def open_l1(files: L1Files, num_pages: int, page_size: int, policy: EvictionPolicy, metrics: Metrics, *,
             adopt: bool = True, discard: bool = False, quarantine_s: float = 30.0,
-            clock: Callable[[], float] = time.monotonic, min_block_bytes: int = p.MIN_BLOCK_BYTES) -> OpenedL1:
-    """The segment and L1Store to serve: adopted when `adopt` and possible (not `discard`), else empty.
+            clock: Callable[[], float] = time.monotonic, min_block_bytes: int = p.MIN_BLOCK_BYTES,
+            index_observer: IndexObserver | None = None) -> OpenedL1:
+    """The segment and L1Store to serve: adopted when `adopt` and possible (not `discard`), else empty; the
+    store's index tells `index_observer` (the presence filter's L1 region) of every key, adopted ones included.
     SegmentInUse when a live server owns the segment."""
     journal_name = files.name + JOURNAL_SUFFIX
     if not adopt:
         remove_stale(journal_name, files.directory)  # an earlier run's: it would describe a segment now gone
         segment = Segment.create(files.name, num_pages * page_size, files.mode, files.directory)
-        store = L1Store(PagePool(num_pages, page_size), policy, metrics, min_block_bytes)
+        store = L1Store(PagePool(num_pages, page_size), policy, metrics, min_block_bytes, index_observer)
         return OpenedL1(segment, store, None, 0, "L1 starts empty (--no-l1-adopt); its segment is removed at stop")
     half = half_bytes(num_pages, page_size, min_block_bytes)
     reason = "--l1-discard"
     if not discard:
         try:
             return _adopt(files, num_pages, page_size, half, policy, metrics, clock() + quarantine_s,
-                          quarantine_s, min_block_bytes)
+                          quarantine_s, min_block_bytes, index_observer)
         except _StartEmpty as exc:
             reason = str(exc)
     remove_stale(journal_name, files.directory)  # first: see the module doc
@@ -111,7 +114,7 @@ def open_l1(files: L1Files, num_pages: int, page_size: int, policy: EvictionPoli
         segment.close()
         raise
     journal = Journal.create(journal_segment, VERSION, _geometry(segment, page_size, num_pages))
-    store = L1Store(PagePool(num_pages, page_size), policy, metrics, min_block_bytes)
+    store = L1Store(PagePool(num_pages, page_size), policy, metrics, min_block_bytes, index_observer)
     writer = L1Journal(journal, metrics)
     store.attach_journal(writer)
     metrics.l1_journal_bytes.set_function(lambda: journal.length)
@@ -123,7 +126,8 @@ def _geometry(segment: Segment, page_size: int, num_pages: int) -> tuple[int, in
 
 
 def _adopt(files: L1Files, num_pages: int, page_size: int, half: int, policy: EvictionPolicy, metrics: Metrics,
-           quarantine_until: float, quarantine_s: float, min_block_bytes: int) -> OpenedL1:
+           quarantine_until: float, quarantine_s: float, min_block_bytes: int,
+           index_observer: IndexObserver | None) -> OpenedL1:
     started = time.perf_counter()
     path = os.path.join(files.directory, files.name)
     try:
@@ -153,7 +157,7 @@ def _adopt(files: L1Files, num_pages: int, page_size: int, half: int, policy: Ev
         raise
     unheld = replayed.unheld
     in_use = unheld + tuple(chain.from_iterable(e.extents for e in replayed.entries))
-    store = L1Store(PagePool(num_pages, page_size, in_use), policy, metrics, min_block_bytes)
+    store = L1Store(PagePool(num_pages, page_size, in_use), policy, metrics, min_block_bytes, index_observer)
     for namespace in replayed.namespaces.values():
         store.register_namespace(namespace)
     for e in replayed.entries:  # commit order: the policy sees the oldest first

@@ -17,7 +17,7 @@ from operator import itemgetter
 
 from kvtier.server import protocol as p
 from kvtier.server.eviction.base import EvictionPolicy
-from kvtier.server.index import PrefixIndex
+from kvtier.server.index import IndexObserver, PrefixIndex
 from kvtier.server.keys import Namespace
 from kvtier.server.l1.entry import Entry, L1Listener, key_of
 from kvtier.server.l1.journal import L1Journal
@@ -36,7 +36,7 @@ class ResizeRefused(Exception):
 
 class L1Store:
     def __init__(self, pool: PagePool, policy: EvictionPolicy, metrics: Metrics,
-                 min_block_bytes: int = p.MIN_BLOCK_BYTES) -> None:
+                 min_block_bytes: int = p.MIN_BLOCK_BYTES, index_observer: IndexObserver | None = None) -> None:
         self.pool = pool
         self.policy = policy
         self.metrics = metrics
@@ -44,7 +44,8 @@ class L1Store:
         self.namespaces: dict[bytes, Namespace] = {}
         self.ns_usage: dict[bytes, list[int]] = {}  # fingerprint -> [entries, bytes]
         self.entries: dict[bytes, Entry] = {}
-        self.index: PrefixIndex[Entry] = PrefixIndex()  # key or alias -> (entry, leading blocks)
+        # key or alias -> (entry, leading blocks); the observer: L1's region of the presence filter
+        self.index: PrefixIndex[Entry] = PrefixIndex(index_observer)
         self.busy: dict[bytes, object] = {}  # key -> who is inserting it (a reservation, a promotion)
         self.doomed: dict[int, Entry] = {}  # removed entries still held, by id()
         self.evictable_pages = 0

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.server.events import Event, Stored
+from kvtier.server.index import IndexObserver
 from kvtier.server.keys import Namespace
 from kvtier.server.metrics import TierMetrics
 from kvtier.server.tiers.record import ChunkMeta
@@ -111,6 +112,13 @@ class LowerTier(ABC):
     def know_namespaces(self, lookup: Callable[[bytes], Namespace | None]) -> None:  # noqa: B027 - optional hook
         """Before the scan: how the tier finds a registered namespace by its fingerprint (any thread; None:
         not registered), e.g. to count a chunk to its tenant. Default: not needed."""
+
+    def observe_index(self, observer: IndexObserver | None) -> bool:
+        """Before the scan: tell `observer` (the tier's region of the presence filter, shm/presence.py) of every
+        block key as `find_prefix` starts and stops finding it (None: stop). True only for a tier whose
+        `find_prefix` answers from that local index alone; the default, False, makes the filter not
+        authoritative (a remote tier finds what other nodes wrote): clients then ask the server every time."""
+        return False
 
     def close(self) -> None:  # noqa: B027 - optional hook with a no-op default
         """At shutdown, after the writer stopped: stop the tier's own threads, close its connections."""

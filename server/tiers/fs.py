@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from kvtier.server.events import Cleared as ClearedEvent
 from kvtier.server.events import Removed, Stored
 from kvtier.server.eviction import EvictionPolicy, LRUPolicy, make_policy
-from kvtier.server.index import PrefixIndex
+from kvtier.server.index import IndexObserver, PrefixIndex
 from kvtier.server.keys import KEY_BYTES, Namespace
 from kvtier.server.metrics import Metrics, TierMetrics
 from kvtier.server.tenants import QuotaTable
@@ -121,6 +121,12 @@ class FsTier(LowerTier):
 
     def know_namespaces(self, lookup: Callable[[bytes], Namespace | None]) -> None:
         self.tenants.lookup = lookup
+
+    def observe_index(self, observer: IndexObserver | None) -> bool:
+        """The presence filter's L2 region follows the prefix index (written under `_lock`: its one writer)."""
+        with self._lock:
+            self._prefix.observe(observer)
+        return True
 
     def set_quotas(self, table: QuotaTable | None) -> dict:
         """Apply a tenant quota table (None: none) at once: a tenant now over its maximum sheds its own chunks
