@@ -41,6 +41,15 @@ class KVTierClient(Session):
 
     # -- lookup ----------------------------------------------------------------------------------
 
+    def may_hold(self, key: bytes) -> bool:
+        """Whether the server may hold the block `key` (a 16-byte block key: a chunk's own key or one of its
+        block-prefix aliases), answered locally from its presence filter (shm/presence.py), no round trip.
+        False means certainly not held (a lookup of a prefix starting there would miss); True means maybe,
+        and is the answer whenever no filter is mapped: not connected, or a server whose filter is not
+        authoritative (a remote tier) or that sent none."""
+        presence = self._presence
+        return presence is None or not self.server_id or presence.may_hold(key)
+
     def lookup(self, ns: Namespace, token_ids: Sequence[int] | np.ndarray, identity: RequestIdentity = PLAIN,
                lease: bool = False, ranks: Sequence[Namespace] = (), again: bool = False) -> LookupResult:
         """Longest stored prefix of `token_ids` at engine-block granularity. With `lease`, the hits found in L1

@@ -20,6 +20,7 @@ from kvtier.connector.transport import KVTierError, KVTierUnavailable, Link, Req
 from kvtier.server import protocol as p
 from kvtier.server.keys import Namespace
 from kvtier.shm.client_lock import ClientLock
+from kvtier.shm.presence import PresenceReader
 from kvtier.shm.segment import Segment
 
 log = logging.getLogger("kvtier.client")
@@ -78,6 +79,7 @@ class Session:
         self._transport = Transport()
         self._conn = threading.RLock()  # the connection's lifecycle: hello, reset, namespace registration
         self._segment: Segment | None = None
+        self._presence: PresenceReader | None = None  # the server's presence filter, when it sends one
         self.server_id = ""
         self.hellos = 0  # successful hellos: a server that forgot this client forgot its GPU registrations too
         self.heartbeat_s = 0.0  # how often the server wants a silent client to heartbeat (its hello reply)
@@ -121,6 +123,9 @@ class Session:
         if self._segment is not None:
             self._segment.close()
             self._segment = None
+        presence, self._presence = self._presence, None
+        if presence is not None:
+            presence.close()
 
     def _hello(self) -> None:
         self._reset()
@@ -151,6 +156,7 @@ class Session:
         segment = Segment.attach(reply["shm_name"], reply["shm_size"], reply["shm_dir"])
         self._segment = segment
         link.array, link.page_size = segment.array(), reply["page_size"]
+        self._presence = _map_presence(reply)
         self.server_id = reply["server_id"]
         self.heartbeat_s = float(reply.get("heartbeat_s") or 0.0)
         self.events_endpoint = str(reply.get("events") or "")  # the server's event feed: stores name their tokens
@@ -301,3 +307,17 @@ class Session:
 
     def stats(self) -> dict[str, Any] | None:
         return self._request({"op": "stats"})
+
+
+def _map_presence(reply: dict[str, Any]) -> PresenceReader | None:
+    """The presence filter a hello reply names (only a server whose filter is authoritative names one), mapped
+    read-only; None when there is none or it cannot be mapped (then every lookup goes to the server)."""
+    name = reply.get("presence")
+    if not name:
+        return None
+    try:
+        return PresenceReader(str(name), str(reply["shm_dir"]))
+    except (OSError, ValueError) as exc:
+        log.warning("cannot map the kvtier server's presence filter %s (%s): asking the server every time",
+                    name, exc)
+        return None

@@ -52,6 +52,7 @@ def kvtier_server(tmp_path):
         for path in [srv.shm_path, srv.shm_path.with_name(f"{srv.shm_name}.journal"),
                      srv.shm_path.with_name(f"{srv.shm_name}.lock"),
                      srv.shm_path.with_name(f"{srv.shm_name}.tenants"),
+                     srv.shm_path.with_name(f"{srv.shm_name}.presence"),
                      *srv.shm_path.parent.glob(f"{srv.shm_name}.client-*")]:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
