@@ -172,7 +172,7 @@ def test_kvtier_segments_lists_and_removes_what_stopped_servers_left_and_status_
         removed = segments(point, "--remove-unused")
         assert [s["name"] for s in removed] == [dead.shm_name]
         assert sorted(os.listdir(point)) == sorted([live.shm_name, live.shm_name + ".journal",
-                                                     live.shm_name + ".lock"])
+                                                     live.shm_name + ".lock", live.shm_name + ".presence"])
         assert store_all(live.url, range(5)) == 5  # the live one is untouched
         live.signal(signal.SIGKILL)
         live.proc.wait(timeout=10)
