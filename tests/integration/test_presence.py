@@ -111,18 +111,24 @@ def test_l2_only_chunks_and_restart(kvtier_server, tmp_path):
     c.close()
 
 
-def test_killed_server_file_is_replaced(kvtier_server):
+def test_killed_server_file_is_replaced_and_adopted_chunks_refill_it(kvtier_server):
     srv, _ = server(kvtier_server)
     c = client(srv.url)
+    doc = prompt(5, 2 * NS.chunk_size)
+    keys = block_keys(doc)
+    store(c, doc)
     old = c._presence
     srv.signal(signal.SIGKILL)
     srv.proc.wait(timeout=30)
     assert os.path.exists(presence_path(srv))  # left by the killed server
     assert not old.may_hold(os.urandom(16))
-    srv.start()  # adopts L1; its new filter is filled from the adopted index
+    srv.start()  # adopts L1 (warm restart): its new filter is filled as the adopted index is rebuilt
+    assert "L1 adopted" in srv.log_text()
     assert old.may_hold(os.urandom(16))  # the new server marked the old file closed
-    assert c.stats() is not None
+    assert c.stats() is not None  # the next request says hello again: the new file is mapped
     assert c._presence is not old and not c.may_hold(os.urandom(16))
+    assert all(c.may_hold(k) for k in keys)
+    assert c.lookup(NS, doc).tokens == len(doc)
     c.close()
 
 
