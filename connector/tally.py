@@ -1,5 +1,6 @@
 """Counts a connector keeps for the server's metrics (the `report` op): requests skipped for want of an
-identity, promised tokens not delivered, sampled verifications, request hints ignored. A daemon thread, started by the first count,
+identity, promised tokens not delivered, sampled verifications, request hints ignored, lookups answered
+locally as misses by the presence filter (so the server's lookup metrics count them). A daemon thread, started by the first count,
 sends what was counted once per `every_s` (never on the engine's own calls, and an engine that goes idle still
 reports its last counts); counts a send could not deliver are kept for the next one."""
 
@@ -24,6 +25,7 @@ class Tally:
         self._undelivered: Counter[str] = Counter()
         self._hints_ignored: Counter[str] = Counter()
         self._verified: dict[Namespace, list[int]] = {}  # namespace -> [checks, mismatches]
+        self._local_misses: dict[Namespace, list[int]] = {}  # namespace -> [lookups, requested blocks]
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -51,6 +53,14 @@ class Tally:
             counts[1] += int(mismatched)
             self._started()
 
+    def local_miss(self, ns: Namespace, blocks: int) -> None:
+        """A lookup of `blocks` engine blocks the presence filter answered as a miss without asking the server."""
+        with self._lock:
+            counts = self._local_misses.setdefault(ns, [0, 0])
+            counts[0] += 1
+            counts[1] += blocks
+            self._started()
+
     def _started(self) -> None:
         """Start the sender (the caller holds the lock)."""
         if self._thread is None and not self._stop.is_set():
@@ -65,14 +75,19 @@ class Tally:
         """Send what was counted now."""
         with self._lock:
             skipped, undelivered, hints = self._skipped, self._undelivered, self._hints_ignored
-            verified = self._verified
+            verified, local = self._verified, self._local_misses
             self._skipped, self._undelivered, self._hints_ignored, self._verified = Counter(), Counter(), Counter(), {}
+            self._local_misses = {}
         counts = {"skipped": dict(skipped), "undelivered": dict(undelivered), "hints_ignored": dict(hints)}
         if (skipped or undelivered or hints) and not self._send(counts, None):
             self._keep(skipped, undelivered, {}, hints)
-        for ns, (checks, mismatches) in verified.items():
-            if not self._send({"verified": checks, "mismatched": mismatches}, ns):
-                self._keep(Counter(), Counter(), {ns: [checks, mismatches]})
+        for ns in verified.keys() | local.keys():
+            checks, mismatches = verified.get(ns, (0, 0))
+            lookups, blocks = local.get(ns, (0, 0))
+            if not self._send({"verified": checks, "mismatched": mismatches, "local_lookups": lookups,
+                               "local_blocks": blocks}, ns):
+                self._keep(Counter(), Counter(), {ns: [checks, mismatches]} if checks else {}, None,
+                           {ns: [lookups, blocks]} if lookups else {})
 
     def close(self) -> None:
         """Stop the sender and send what is left (once)."""
@@ -82,13 +97,14 @@ class Tally:
         self.flush()
 
     def _keep(self, skipped: Counter[str], undelivered: Counter[str], verified: dict[Namespace, list[int]],
-              hints: Counter[str] | None = None) -> None:
+              hints: Counter[str] | None = None, local: dict[Namespace, list[int]] | None = None) -> None:
         """Counts a send could not deliver, added back for the next one."""
         with self._lock:
             self._skipped.update(skipped)
             self._undelivered.update(undelivered)
             self._hints_ignored.update(hints or {})
-            for ns, (checks, mismatches) in verified.items():
-                counts = self._verified.setdefault(ns, [0, 0])
-                counts[0] += checks
-                counts[1] += mismatches
+            for kept, into in ((verified, self._verified), (local or {}, self._local_misses)):
+                for ns, (a, b) in kept.items():
+                    counts = into.setdefault(ns, [0, 0])
+                    counts[0] += a
+                    counts[1] += b

@@ -173,16 +173,22 @@ class Cache:
                     break
         return out
 
+    def count_local_misses(self, fp: bytes, lookups: int, blocks: int, block_size: int) -> None:
+        """Lookups a client's presence filter answered as misses (the `report` op): counted as this server's."""
+        self._requested(fp, lookups, blocks, block_size, [])
+
+    def _requested(self, fp: bytes, lookups: int, blocks: int, block_size: int, hits: list[tuple[Any, int]]) -> None:
+        m = self.metrics
+        m.lookups.inc(lookups)
+        m.requested_blocks.inc(blocks)
+        m.requested_tokens.inc(blocks * block_size)
+        if self.store.tenants.table is not None:  # per tenant only when tenants are named: off the plain path
+            self.store.tenants.looked_up(fp, blocks * block_size, sum(map(itemgetter(1), hits)) * block_size)
+
     def _count(self, fp: bytes, found: Found, chunks: list[list[bytes]], block_size: int) -> None:
         """The lookup's metrics: requested blocks and tokens, hit tokens by the tier that had them."""
         m = self.metrics
-        requested = sum(map(len, chunks))
-        m.lookups.inc()
-        m.requested_blocks.inc(requested)
-        m.requested_tokens.inc(requested * block_size)
-        if self.store.tenants.table is not None:  # per tenant only when tenants are named: off the plain path
-            self.store.tenants.looked_up(fp, requested * block_size,
-                                         sum(map(itemgetter(1), found.hits)) * block_size)
+        self._requested(fp, 1, sum(map(len, chunks)), block_size, found.hits)
         if not found.hits:
             return
         if found.tiers[-1] == L1:  # the common case (lower-tier hits follow the L1 prefix): one sum

@@ -268,19 +268,23 @@ class RequestHandler:
 
     def _report(self, ident: bytes, m: dict[str, Any]) -> dict[str, Any]:
         """Counts a connector kept since its last report (protocol.py: SKIP_REASONS, UNDELIVERED_REASONS,
-        HINT_IGNORED_REASONS, and sampled verifications of namespace `ns`); every field is checked before
-        anything is counted."""
+        HINT_IGNORED_REASONS; sampled verifications and lookups answered locally of namespace `ns`); every field
+        is checked before anything is counted."""
         self.holds.client(ident)
         skipped = _counts(m, "skipped", p.SKIP_REASONS)
         undelivered = _counts(m, "undelivered", p.UNDELIVERED_REASONS)
         hints_ignored = _counts(m, "hints_ignored", p.HINT_IGNORED_REASONS)
         verified = p.int_field(m, "verified", 0, p.MAX_REPORT_COUNT, 0)
         mismatched = p.int_field(m, "mismatched", 0, verified, 0)
+        local_lookups = p.int_field(m, "local_lookups", 0, p.MAX_REPORT_COUNT, 0)
+        local_blocks = p.int_field(m, "local_blocks", 0, p.MAX_REPORT_COUNT, 0)
         label = ""
-        if verified:
+        if verified or local_lookups:
             fp = self._ns(m)
-            self.cache.store.namespace(fp)  # unknown_namespace unless registered
+            ns = self.cache.store.namespace(fp)  # unknown_namespace unless registered
             label = fp.hex()[:16]
+            if local_lookups:  # misses the client's presence filter answered: counted as the server's lookups
+                self.cache.count_local_misses(fp, local_lookups, local_blocks, ns.block_size)
         for reason, n in skipped.items():
             self.metrics.identity_skips.labels(reason).inc(n)
         for reason, n in undelivered.items():

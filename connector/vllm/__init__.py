@@ -6,9 +6,10 @@ Load with ``--kv-transfer-config '{"kv_connector":"KVTierConnector",
 Scheduler: one lookup per new request gives the block-aligned number of prompt tokens kvtier holds
 beyond vLLM's own prefix-cache hit. Worker: loads in ``start_load_kv``; when a request's prompt is
 complete, ``wait_for_save`` stores its whole blocks (chunks kvtier already holds are skipped by the server
-without a copy). By default both are synchronous (the first forward of the request waits for a copy of a
-few milliseconds, far less than a prefill); ``kvtier.async_transfers`` runs them in the background
-(scheduler.py says how vLLM's asynchronous states are used). A load that comes up short is reported through
+without a copy). By default a load is synchronous (the first forward of the request waits for a copy of a
+few milliseconds, far less than a prefill) and a store runs on a worker thread, off the engine's step
+(``kvtier.async_stores``); ``kvtier.async_transfers`` runs loads in the background too (scheduler.py says how
+vLLM's asynchronous states are used). A load that comes up short is reported through
 ``get_block_ids_with_load_errors`` so vLLM recomputes those blocks: a miss, never wrong KV.
 
 vLLM builds one KVTierConnector per process, with its role: the scheduler's (SchedulerSide in

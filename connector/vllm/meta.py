@@ -40,7 +40,8 @@ class ConnectorOptions:
     prefill_tokens_per_s: float = 0.0  # the engine's prefill rate: lower-tier hits slower than it are skipped
     pending_wait_ms: float = 250.0  # how long a request may wait for a remote probe or a promotion into L1
     kv_layout: str = ""  # GPU: the KV layout asked of vLLM (e.g. BLNHC, block-major); "" = vLLM's choice
-    async_transfers: bool = False  # loads and stores in the background (WAITING_FOR_REMOTE_KVS, held blocks)
+    async_transfers: bool = False  # loads in the background too (WAITING_FOR_REMOTE_KVS)
+    async_stores: bool = True  # stores on a worker thread, off the engine's step (a finished request's blocks held)
     model_id: str = ""  # names the weights instead of fingerprinting their files (docs/vllm.md, the key)
     verify_fraction: float = 0.0  # sampled hits recomputed and compared with what kvtier holds (0 = off)
     verify_tolerance: float = 0.05  # relative L2 difference above which a recomputed block is a mismatch
@@ -121,7 +122,7 @@ class SaveSpec:
 class KVTierMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
-    # asynchronous transfers: requests preempted in this step (their stores must end before the forward
+    # asynchronous stores: requests preempted in this step (their stores must end before the forward
     # pass) and finished requests whose blocks the scheduler holds until their stores are reported
     preempted: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
@@ -145,9 +146,11 @@ class ConnectorSide:
         self._namespaces: dict[str, Namespace] = {}
         self.client = KVTierClient(options.client_config())
         self.tally = Tally(self.client.report)
-        # GPU engines always transfer asynchronously (the server's copier moves the blocks)
+        # GPU engines always transfer asynchronously (the server's copier moves the blocks); on CPU engines
+        # stores are asynchronous by default and loads only with kvtier.async_transfers (docs/vllm.md)
         self.gpu = vllm_config.device_config.device_type == "cuda"
-        self.asynchronous = options.async_transfers or self.gpu
+        self.async_loads = options.async_transfers or self.gpu
+        self.async_stores = self.async_loads or options.async_stores
         # The model's identity: without it no request is looked up or stored (each counted as a skip).
         self.identity_error = ""
         self.model_fingerprint = ""

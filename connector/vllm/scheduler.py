@@ -5,11 +5,12 @@ A lookup gives the block-aligned number of prompt tokens kvtier holds beyond vLL
 (lower-tier hits slower than the engine's prefill are left out). A request's whole prompt blocks are stored
 once, in the step that computes its last prompt token.
 
-Synchronous (default): a load runs before the forward pass of the request's first step, a store after it.
-Asynchronous (`kvtier.async_transfers`): a request with a hit waits in WAITING_FOR_REMOTE_KVS while a worker
-thread loads it, and other requests keep running; a finished request whose store may still be running keeps
-its blocks (`request_finished` -> True) until the workers report the store; a preempted request's store is
-waited for by the workers before its blocks are reused (worker.py, in_flight.py).
+Loads are synchronous by default: a load runs before the forward pass of the request's first step. With
+`kvtier.async_transfers` a request with a hit waits in WAITING_FOR_REMOTE_KVS while a worker thread loads it,
+and other requests keep running. Stores are asynchronous by default (`kvtier.async_stores`): a worker thread
+stores after the step; a finished request whose store may still be running keeps its blocks
+(`request_finished` -> True) until the workers report the store; a preempted request's store is waited for by
+the workers before its blocks are reused (worker.py, in_flight.py).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from kvtier.connector.results import L1_TIER
+from kvtier.connector.results import L1_TIER, LookupResult
 from kvtier.connector.vllm.engine_events import Converter, EngineEvents, engine_hasher
 from kvtier.connector.vllm.hints import NO_HINTS, RequestHints, parse_hints
 from kvtier.connector.vllm.identity import LoraFingerprints, request_identity
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
-from kvtier.server.keys import PLAIN, Namespace, RequestIdentity
+from kvtier.server.keys import PLAIN, Namespace, RequestIdentity, chunk_keys
 from kvtier.server.protocol import NO_HINT, SKIP_MODEL
 
 if TYPE_CHECKING:
@@ -148,9 +149,7 @@ class SchedulerSide(ConnectorSide):
             # hits alone (a promotion still running is not waited for in the step: it is recomputed).
             if limit > num_computed_tokens:
                 try:
-                    found = self.client.lookup(self.namespace(tracked.salt), prompt[:limit], tracked.identity,
-                                               lease=True, ranks=self._other_ranks(tracked.salt),
-                                               again=tracked.asked_again)
+                    found = self._lookup(tracked, prompt[:limit], num_computed_tokens)
                 except Exception:  # a lookup the server refused is a miss: the scheduler must never fail
                     log.exception("kvtier lookup failed for request %s", request.request_id)
                 else:
@@ -173,7 +172,23 @@ class SchedulerSide(ConnectorSide):
         hit = tracked.hit_tokens
         tracked.local_tokens = num_computed_tokens
         tracked.external_tokens = max(0, hit - num_computed_tokens)
-        return tracked.external_tokens, self.asynchronous and tracked.external_tokens > 0
+        return tracked.external_tokens, self.async_loads and tracked.external_tokens > 0
+
+    def _lookup(self, tracked: _Tracked, tokens: list[int], local: int) -> LookupResult:
+        """The server's answer for `tokens`, or a miss without a round trip when the server's presence filter
+        (shm/presence.py, read here in shared memory) says the first block past vLLM's own hit (`local` tokens)
+        is held by no tier: nothing past that hit could be loaded. The miss is reported, so the server's
+        lookup metrics still count it."""
+        ns = self.namespace(tracked.salt)
+        chunks = chunk_keys(ns, tokens, tracked.identity)
+        first = local // self.block_size  # the first block vLLM's own cache does not hold
+        chunk = chunks[first // ns.blocks_per_chunk]
+        if not self.client.may_hold(chunk.block_keys[first % ns.blocks_per_chunk]):
+            if not tracked.asked_again:
+                self.tally.local_miss(ns, len(tokens) // self.block_size)
+            return LookupResult([], [], [], self.block_size)
+        ranks = [(other, chunk_keys(other, tokens, tracked.identity)) for other in self._other_ranks(tracked.salt)]
+        return self.client.lookup_chunks(ns, chunks, lease=True, ranks=ranks, again=tracked.asked_again)
 
     def _other_ranks(self, salt: str) -> list[Namespace]:
         """The namespaces of TP ranks 1.. (this side's is rank 0's): every rank stores its own KV of a prompt
@@ -191,10 +206,10 @@ class SchedulerSide(ConnectorSide):
             return
         tracked.external_tokens = num_external_tokens
         # a synchronous load is built from the request's first scheduled step
-        tracked.load_pending = num_external_tokens > 0 and not self.asynchronous
+        tracked.load_pending = num_external_tokens > 0 and not self.async_loads
         if num_external_tokens <= 0:
             self._release(tracked)  # nothing to load: the promise is not needed
-        if num_external_tokens <= 0 or not self.asynchronous:
+        if num_external_tokens <= 0 or not self.async_loads:
             return
         # An asynchronous load: the request is not scheduled until it is done, so plan it from these blocks.
         block_ids = list(blocks.get_block_ids()[0])
@@ -271,7 +286,7 @@ class SchedulerSide(ConnectorSide):
             self._release(tracked)  # the asynchronous load has read what the lookup promised
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Hold the blocks of a finished request whose store may be in flight (asynchronous transfers); end
+        """Hold the blocks of a finished request whose store may be in flight (asynchronous stores); end
         the session of a request that is its session's last turn (`session.end`).
 
         Not one whose load is in flight: vLLM holds those itself until the load is reported, and a request
@@ -284,7 +299,7 @@ class SchedulerSide(ConnectorSide):
         if tracked is not None and tracked.lease:  # at once: the engine may go idle after its last request
             self._release(tracked)
             self._flush_releases()
-        hold = self.asynchronous and tracked is not None and tracked.saved and tracked.hints.store \
+        hold = self.async_stores and tracked is not None and tracked.saved and tracked.hints.store \
             and tracked.loading is None
         if hold:
             self._held.append(request.request_id)

@@ -1,10 +1,11 @@
 """The worker side of the vLLM connector: copies between the engine's paged KV cache and kvtier's L1.
 
 Loads run in ``start_load_kv``; when a request's prompt is complete, ``wait_for_save`` stores its whole
-blocks (chunks kvtier already holds are skipped by the server without a copy). Synchronous by default: a
-load before the forward pass, a store after it. With ``kvtier.async_transfers`` both go to background
-threads (in_flight.py) and are reported through ``get_finished``; ``handle_preemptions`` waits for the
-stores of preempted requests before the forward pass can overwrite their blocks. A load that comes up
+blocks (chunks kvtier already holds are skipped by the server without a copy). On CPU engines a load runs
+before the forward pass by default, and a store goes to a background thread (``kvtier.async_stores``, on by
+default; in_flight.py), reported through ``get_finished``; ``handle_preemptions`` waits for the stores of
+preempted requests before the forward pass can overwrite their blocks. With ``kvtier.async_transfers`` loads
+go to a background thread too. A load that comes up
 short is reported through ``get_block_ids_with_load_errors`` so vLLM recomputes those blocks: a miss,
 never wrong KV.
 """
@@ -45,7 +46,7 @@ class WorkerSide(ConnectorSide):
         self._kv: PagedKV | None = None
         self._kv_dtype = ""  # the engine's KV element type (torch's name), for verification
         self._load_errors: set[int] = set()
-        self._in_flight = InFlight() if self.asynchronous else None
+        self._in_flight = InFlight() if self.async_stores else None
         self._gpu: GpuTransfers | None = None
         self._events: Any = None  # the GPU worker's CudaEvents
 
@@ -97,6 +98,7 @@ class WorkerSide(ConnectorSide):
             return
         if self._in_flight is not None:
             self._in_flight.hold(meta.held)
+        if self._in_flight is not None and (self.async_loads or self._gpu is not None):
             for spec in meta.loads:
                 self._in_flight.load(spec.req_id, spec.block_ids[spec.first_block:spec.end_block],
                                      self._gpu_load(spec) if self._gpu is not None

@@ -552,13 +552,24 @@ def wait_remote_drained(http_port: int, timeout: float = 60.0) -> dict:
         time.sleep(0.2)
 
 
-def reset_prefix_cache(port: int, reset_external: bool = False) -> None:
-    """POST /reset_prefix_cache (needs VLLM_SERVER_DEV_MODE=1); ``reset_external`` also resets the connector."""
+def reset_prefix_cache(port: int, reset_external: bool = False, timeout: float = 30.0) -> None:
+    """POST /reset_prefix_cache (needs VLLM_SERVER_DEV_MODE=1); ``reset_external`` also resets the connector.
+
+    vLLM answers ``{"success": false}`` while blocks are still held, e.g. by a finished request whose
+    asynchronous store (kvtier's default) is not reported yet; as its docs say, retry: once it succeeds, every
+    store of the requests before it is done."""
     path = "/reset_prefix_cache" + ("?reset_external=true" if reset_external else "")
-    req = urllib.request.Request(_url(port, path), data=b"", method="POST")
-    with urllib.request.urlopen(req, timeout=60) as r:
-        if r.status != 200:
-            raise RuntimeError(f"POST {path} -> {r.status}")
+    deadline = time.monotonic() + timeout
+    while True:
+        req = urllib.request.Request(_url(port, path), data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            if r.status != 200:
+                raise RuntimeError(f"POST {path} -> {r.status}")
+            if json.loads(r.read() or b"{}").get("success", True):
+                return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"POST {path}: vLLM still refused the reset after {timeout:.0f} s")
+        time.sleep(0.05)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")

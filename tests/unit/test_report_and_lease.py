@@ -44,6 +44,17 @@ def test_report_counts_ignored_hints_by_reason():
     assert h.metrics.registry.get_sample_value("kvtier_hints_ignored_total", {"reason": "made_up"}) is None
 
 
+def test_report_counts_lookups_the_client_answered_locally_as_the_servers_misses():
+    h, fp = registered()
+    assert call(h, {"op": "report", "id": 3, "local_lookups": 3, "local_blocks": 12, "ns": fp})["ok"]
+    assert sample(h, "kvtier_lookups_total") == 3
+    assert sample(h, "kvtier_lookup_requested_blocks_total") == 12
+    assert sample(h, "kvtier_requested_tokens_total") == 12 * NS.block_size
+    assert sample(h, "kvtier_hit_tokens_total", tier="l1") == 0
+    reply = call(h, {"op": "report", "id": 4, "local_lookups": -1, "local_blocks": 12, "ns": fp})
+    assert reply["code"] == p.BAD_REQUEST and sample(h, "kvtier_lookups_total") == 3
+
+
 def test_a_refused_report_counts_nothing():
     h, fp = registered()
     reply = call(h, {"op": "report", "id": 3, "skipped": {p.SKIP_LORA: 2, "nope": 1}})

@@ -25,7 +25,7 @@ from kvtier.connector.vllm.hints import NO_HINTS, RequestHints, parse_hints  # n
 from kvtier.connector.vllm.meta import ConnectorOptions, KVTierMetadata  # noqa: E402
 from kvtier.connector.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.server import protocol as p  # noqa: E402
-from kvtier.server.keys import Namespace, RequestIdentity  # noqa: E402
+from kvtier.server.keys import ChunkKeys, Namespace  # noqa: E402
 from vllm_fakes import FakeModel
 
 pytestmark = pytest.mark.unit
@@ -125,15 +125,20 @@ def vllm_config() -> SimpleNamespace:
 
 
 class Server:
-    """The scheduler's client: answers every lookup with a miss; records lookups and ended sessions."""
+    """The scheduler's client: answers every lookup with a miss; records lookups and ended sessions. Its
+    presence filter holds `present` (None: no filter, every key may be held)."""
 
     def __init__(self) -> None:
         self.lookups = 0
         self.ended: list[str] = []
         self.reports: list[dict] = []
+        self.present: set[bytes] | None = None
 
-    def lookup(self, ns: Namespace, token_ids: list[int], identity: RequestIdentity, lease: bool = False,
-               ranks: Sequence[Namespace] = (), again: bool = False) -> LookupResult:
+    def may_hold(self, key: bytes) -> bool:
+        return self.present is None or key in self.present
+
+    def lookup_chunks(self, ns: Namespace, chunks: list[ChunkKeys], lease: bool = False,
+                      ranks: Sequence[tuple[Namespace, list[ChunkKeys]]] = (), again: bool = False) -> LookupResult:
         self.lookups += 1
         return LookupResult([], [], [], BS)
 
@@ -149,10 +154,10 @@ class Server:
         return True
 
 
-def scheduler(async_transfers: bool = False) -> tuple[SchedulerSide, Server]:
+def scheduler(async_transfers: bool = False, async_stores: bool = True) -> tuple[SchedulerSide, Server]:
     side = SchedulerSide(vllm_config(), ConnectorOptions(url="tcp://127.0.0.1:9", chunk_size=4 * BS,
-                                                         model_id="hints-test-model",
-                                                         async_transfers=async_transfers), None)
+                                                         model_id="hints-test-model", async_transfers=async_transfers,
+                                                         async_stores=async_stores), None)
     server = Server()
     side.tally.close()
     side.client = server  # type: ignore[assignment]
@@ -183,8 +188,14 @@ def test_a_request_without_hints_stores_its_whole_prompt_with_no_hint():
     meta = step(side, request("r", None))
     [save] = meta.saves
     assert save.token_ids == PROMPT and save.block_ids == list(range(500, 510)) and save.hint == p.NO_HINT
-    assert side.request_finished(request("r", None), [])[0] is False
+    assert side.request_finished(request("r", None), [])[0] is True  # stores are asynchronous: blocks held
     assert server.ended == []
+
+
+def test_synchronous_stores_hold_no_blocks():
+    side, _ = scheduler(async_stores=False)
+    assert len(step(side, request("r", None)).saves) == 1
+    assert side.request_finished(request("r", None), [])[0] is False  # stored in the step: nothing to hold
 
 
 def test_store_false_is_looked_up_but_never_stored_nor_held():

@@ -97,3 +97,18 @@ def test_ignored_hints_are_reported_by_reason_and_kept_while_unreachable():
         for k, v in counts.get("hints_ignored", {}).items():
             totals[k] = totals.get(k, 0) + v
     assert totals == {"retain_s": 2, "unknown_key": 1}
+
+
+def test_local_misses_are_sent_per_namespace_and_kept_while_the_server_is_unreachable():
+    server = Server()
+    server.up = False
+    tally = Tally(server.send, every_s=3600)
+    tally.local_miss(NS, 16)
+    tally.local_miss(NS, 8)
+    tally.flush()  # refused: kept
+    server.up = True
+    tally.local_miss(NS, 4)
+    tally.close()
+    [(counts, ns)] = server.got
+    assert ns == NS and (counts["local_lookups"], counts["local_blocks"]) == (3, 28)
+    assert (counts["verified"], counts["mismatched"]) == (0, 0)

@@ -18,7 +18,7 @@ pytest.importorskip("vllm")
 from kvtier.connector.results import LookupResult  # noqa: E402
 from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide  # noqa: E402
 from kvtier.connector.vllm.scheduler import SchedulerSide  # noqa: E402
-from kvtier.server.keys import Namespace, RequestIdentity  # noqa: E402
+from kvtier.server.keys import ChunkKeys, Namespace  # noqa: E402
 from vllm_fakes import FakeModel
 
 pytestmark = pytest.mark.unit
@@ -40,9 +40,12 @@ class Recorder:
     def __init__(self) -> None:
         self.lookups: list[tuple[Namespace, list[Namespace]]] = []
 
-    def lookup(self, ns: Namespace, token_ids: list[int], identity: RequestIdentity, lease: bool = False,
-               ranks: Sequence[Namespace] = (), again: bool = False) -> LookupResult:
-        self.lookups.append((ns, list(ranks)))
+    def may_hold(self, key: bytes) -> bool:
+        return True  # no presence filter: every lookup goes to the server
+
+    def lookup_chunks(self, ns: Namespace, chunks: list[ChunkKeys], lease: bool = False,
+                      ranks: Sequence[tuple[Namespace, list[ChunkKeys]]] = (), again: bool = False) -> LookupResult:
+        self.lookups.append((ns, [other for other, _ in ranks]))
         return LookupResult([], [], [], BS)
 
 
