@@ -1,7 +1,7 @@
 """The vLLM scheduler's lookup asks the server only when the server's presence filter (shm/presence.py, read by
 KVTierClient.may_hold) says the first block past vLLM's own prefix-cache hit may be held; otherwise the request
 is a miss without a round trip, reported so that the server's lookup metrics still count it
-(tests/integration/test_presence.py tests the filter itself against a real server).
+(tests/integration/test_presence_served.py tests the filter itself against a real server).
 
 Its package imports torch and vLLM: the dev venv skips it; tests/e2e/test_torch_unit_tests.py runs it in vLLM's
 venv.
