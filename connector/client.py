@@ -46,7 +46,7 @@ class KVTierClient(Session):
         block-prefix aliases), answered locally from its presence filter (shm/presence.py), no round trip.
         False means certainly not held (a lookup of a prefix starting there would miss); True means maybe,
         and is the answer whenever no filter is mapped: not connected, or a server whose filter is not
-        authoritative (a remote tier) or that sent none."""
+        authoritative (a remote tier) or that sent none, and when the filter is closed (its server stopped)."""
         presence = self._presence
         return presence is None or not self.server_id or presence.may_hold(key)
 
@@ -93,8 +93,10 @@ class KVTierClient(Session):
         return int(reply["released"]) if reply else 0
 
     def report(self, counts: dict[str, Any], ns: Namespace | None = None) -> bool:
-        """Send a connector's counts (the `report` op: skipped requests, undelivered tokens, verifications)."""
-        return self.request({"op": "report", **counts}, ns) is not None
+        """Send a connector's counts (the `report` op: skipped requests, undelivered tokens, verifications).
+        False, sending nothing, while not connected: a background sender never says hello itself, since a hello
+        that fails (a server restarting) would put the engine's own requests into the unreachable backoff."""
+        return self.connected and self.request({"op": "report", **counts}, ns) is not None
 
     def end_session(self, session: str) -> bool:
         """End a request-hint session (docs/hints.md): its chunks are kept no longer for it. Whether the server

@@ -93,7 +93,11 @@ class Session:
 
     @property
     def connected(self) -> bool:
-        return self._transport.link.sock is not None and bool(self.server_id)
+        """Said hello to a server that still runs, as far as this client can tell: a presence filter marked closed
+        means that server stopped or a new one replaced it, so the next request says hello again on a new
+        connection (answered at once by a restarted server) instead of waiting for a reply on the old one."""
+        presence = self._presence
+        return self._transport.link.sock is not None and bool(self.server_id) and (presence is None or presence.open)
 
     def connect(self) -> bool:
         """Say hello and map the segment. False (or KVTierUnavailable in strict mode) when unreachable."""
