@@ -6,7 +6,8 @@ vLLM's rules for asynchronous transfers (docs/dev/vllm-connector-notes.md §6):
 - a store is reported in `finished_sending` only for a request the scheduler holds for it
   (`request_finished` returned True: the scheduler says so in the step metadata, `held`), once the request is
   finished (its id came in `finished_req_ids`) and the store is done; reporting any other id, or one twice,
-  frees blocks twice;
+  frees blocks twice. A store done before its request finishes is told to the scheduler at once (`stored`,
+  through the worker's step metadata), so that the scheduler does not hold that request's blocks at all;
 - a preempted request's blocks are freed at once: its store must be done before the step's forward pass
   writes into them (`wait_for_stores`).
 
@@ -46,6 +47,7 @@ class InFlight:
         self._stores: dict[str, Future[None]] = {}
         self._held: set[str] = set()  # the scheduler holds these requests' blocks until we report the store
         self._finished: set[str] = set()  # finished requests with a store still in flight
+        self._told: set[str] = set()  # requests whose finished store `stored` has reported
 
     def load(self, req_id: str, block_ids: list[int], job: Callable[[], set[int]]) -> None:
         if req_id in self._loads:  # vLLM never plans two loads of one request at once
@@ -56,6 +58,7 @@ class InFlight:
         previous = self._stores.get(req_id)
         if previous is not None:
             previous.result()  # one store per request at a time: a second waits for the first
+        self._told.discard(req_id)
         self._stores[req_id] = self._storer.submit(self._logged(req_id, job))
 
     @staticmethod
@@ -81,6 +84,13 @@ class InFlight:
                 waited += 1
         return waited
 
+    def stored(self) -> set[str]:
+        """Requests whose store is done, each reported once (the worker's step metadata): the scheduler need
+        not hold the blocks of one that finishes afterwards."""
+        done = {req_id for req_id, future in self._stores.items() if future.done() and req_id not in self._told}
+        self._told |= done
+        return done
+
     def finished(self, finished_req_ids: Iterable[str]) -> Finished:
         out = Finished()
         self._finished.update(finished_req_ids)
@@ -90,6 +100,7 @@ class InFlight:
                 continue
             self._stores.pop(req_id, None)
             self._finished.discard(req_id)
+            self._told.discard(req_id)
             if req_id in self._held:
                 self._held.discard(req_id)
                 out.sending.add(req_id)

@@ -15,7 +15,7 @@ from kvtier.connector.vllm.identity import IdentityUnknown, model_fingerprint
 from kvtier.connector.vllm.namespace import namespace_for
 from kvtier.server.keys import PLAIN, Namespace, RequestIdentity
 from kvtier.server.protocol import NO_HINT, Hint
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -126,6 +126,20 @@ class KVTierMetadata(KVConnectorMetadata):
     # pass) and finished requests whose blocks the scheduler holds until their stores are reported
     preempted: list[str] = field(default_factory=list)
     held: list[str] = field(default_factory=list)
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, each step: the requests whose asynchronous store each worker finished since its
+    last report (request id -> workers; vLLM sums the workers' reports of a step with `aggregate`)."""
+
+    stored: dict[str, int] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMetadata:
+        merged = dict(self.stored)
+        for req_id, n in getattr(other, "stored", {}).items():
+            merged[req_id] = merged.get(req_id, 0) + n
+        return KVTierWorkerMetadata(merged)
 
 
 class ConnectorSide:

@@ -25,7 +25,14 @@ from kvtier.connector.results import L1_TIER, LookupResult
 from kvtier.connector.vllm.engine_events import Converter, EngineEvents, engine_hasher
 from kvtier.connector.vllm.hints import NO_HINTS, RequestHints, parse_hints
 from kvtier.connector.vllm.identity import LoraFingerprints, request_identity
-from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.vllm.meta import (
+    ConnectorOptions,
+    ConnectorSide,
+    KVTierMetadata,
+    KVTierWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
 from kvtier.server.keys import PLAIN, Namespace, RequestIdentity, chunk_keys
 from kvtier.server.protocol import NO_HINT, SKIP_MODEL
 
@@ -64,7 +71,9 @@ class _Tracked:
     external_tokens: int = 0
     load_pending: bool = False
     loading: list[int] | None = None  # the engine blocks of an asynchronous load in flight (until reported)
-    saved: bool = False
+    saved: bool = False  # its store was decided (once, in the step that computes its last prompt token)
+    storing: bool = False  # a store was sent to the workers
+    stored_by: int = 0  # workers that reported its asynchronous store done (all of them: its blocks are not held)
 
 
 class SchedulerSide(ConnectorSide):
@@ -83,6 +92,7 @@ class SchedulerSide(ConnectorSide):
             self._verify_fraction = 0.0
         self._async_loads: list[LoadSpec] = []  # planned in update_state_after_alloc, sent in the next step
         self._held: list[str] = []  # finished requests held for their stores, told to the workers next step
+        self._workers = vllm_config.parallel_config.world_size  # each reports a request's store done
         # Break-even: a lower tier pays off only if it delivers a token's KV faster than prefill computes it.
         # Every TP rank loads its share through the same server, hence the whole model's bytes.
         self.min_load_bandwidth = (kv_bytes_per_token(kv_cache_config) * options.prefill_tokens_per_s
@@ -274,8 +284,15 @@ class SchedulerSide(ConnectorSide):
             meta.saves.append(SaveSpec(req_id, tracked.prompt[: whole * self.block_size], tracked.block_ids[:whole],
                                        tracked.salt, skip, tracked.identity, min(tracked.verify_blocks, whole),
                                        tracked.hints.hint))
+            tracked.storing = True
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        stored = connector_output.kv_connector_worker_meta
+        if isinstance(stored, KVTierWorkerMetadata):
+            for req_id, workers in stored.stored.items():
+                tracked = self._requests.get(req_id)
+                if tracked is not None:
+                    tracked.stored_by += workers
         for req_id in connector_output.finished_recving or ():
             tracked = self._requests.get(req_id)
             if tracked is None or tracked.loading is None:
@@ -286,8 +303,9 @@ class SchedulerSide(ConnectorSide):
             self._release(tracked)  # the asynchronous load has read what the lookup promised
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Hold the blocks of a finished request whose store may be in flight (asynchronous stores); end
-        the session of a request that is its session's last turn (`session.end`).
+        """Hold the blocks of a finished request whose store may be in flight (asynchronous stores: not
+        one whose store every worker has reported done, `update_connector_output`); end the session of a
+        request that is its session's last turn (`session.end`).
 
         Not one whose load is in flight: vLLM holds those itself until the load is reported, and a request
         loading again after a preemption has had its store finished before its blocks were freed. A session
@@ -299,8 +317,8 @@ class SchedulerSide(ConnectorSide):
         if tracked is not None and tracked.lease:  # at once: the engine may go idle after its last request
             self._release(tracked)
             self._flush_releases()
-        hold = self.async_stores and tracked is not None and tracked.saved and tracked.hints.store \
-            and tracked.loading is None
+        hold = self.async_stores and tracked is not None and tracked.storing and tracked.loading is None \
+            and tracked.stored_by < self._workers
         if hold:
             self._held.append(request.request_id)
         return hold, None

@@ -24,7 +24,14 @@ from kvtier.connector.kv_blocks import PagedKV
 from kvtier.connector.results import ReadChunk
 from kvtier.connector.verify import Difference
 from kvtier.connector.vllm.in_flight import InFlight
-from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
+from kvtier.connector.vllm.meta import (
+    ConnectorOptions,
+    ConnectorSide,
+    KVTierMetadata,
+    KVTierWorkerMetadata,
+    LoadSpec,
+    SaveSpec,
+)
 from kvtier.server import protocol as p
 from kvtier.server.keys import ChunkKeys, chunk_keys
 from kvtier.server.protocol import GpuMemory
@@ -263,6 +270,11 @@ class WorkerSide(ConnectorSide):
         done = self._in_flight.finished(finished_req_ids)
         self._load_errors.update(done.load_errors)  # reported in this same step, as vLLM requires
         return done.sending or None, done.recving or None
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMetadata | None:
+        """The stores done since the last step (asynchronous stores), for the scheduler."""
+        stored = self._in_flight.stored() if self._in_flight is not None else None
+        return KVTierWorkerMetadata(dict.fromkeys(stored, 1)) if stored else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -39,7 +39,7 @@ class _Model:
 
 def vllm_config() -> SimpleNamespace:
     return SimpleNamespace(
-        model_config=_Model(), parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=_Model(), parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1, world_size=1),
         cache_config=SimpleNamespace(block_size=BLOCK_TOKENS, cache_dtype="auto", kv_cache_layout="LBNHC"),
         device_config=SimpleNamespace(device_type="cpu"))
 

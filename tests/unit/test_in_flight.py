@@ -99,6 +99,18 @@ def test_store_done_before_finish_reported_at_finish(flight):
     assert flight.finished({"r1"}).sending == {"r1"}
 
 
+def test_a_done_store_is_told_once_for_the_scheduler(flight):
+    started, release = _gated()
+    flight.store("r1", lambda: (started.set(), release.wait(5), None)[2])
+    assert started.wait(5)
+    assert flight.stored() == set()  # still running: the scheduler must hold r1's blocks if it finishes now
+    release.set()
+    flight.wait_for_stores(["r1"])
+    assert flight.stored() == {"r1"}
+    assert flight.stored() == set()  # told once
+    assert not flight.finished({"r1"}).sending  # the scheduler did not hold it: never in finished_sending
+
+
 def test_store_of_a_request_not_held_is_never_reported(flight):
     flight.store("r1", lambda: None)
     flight.wait_for_stores(["r1"])

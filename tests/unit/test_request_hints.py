@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 from kvtier.connector.results import LookupResult  # noqa: E402
 from kvtier.connector.tally import Tally  # noqa: E402
 from kvtier.connector.vllm.hints import NO_HINTS, RequestHints, parse_hints  # noqa: E402
-from kvtier.connector.vllm.meta import ConnectorOptions, KVTierMetadata  # noqa: E402
+from kvtier.connector.vllm.meta import ConnectorOptions, KVTierMetadata, KVTierWorkerMetadata  # noqa: E402
 from kvtier.connector.vllm.scheduler import SchedulerSide  # noqa: E402
 from kvtier.server import protocol as p  # noqa: E402
 from kvtier.server.keys import ChunkKeys, Namespace  # noqa: E402
@@ -119,7 +119,8 @@ def test_tenant_is_another_name_for_cache_salt():
 
 def vllm_config() -> SimpleNamespace:
     return SimpleNamespace(
-        model_config=FakeModel("hints-test-model"), parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=FakeModel("hints-test-model"), parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                                                           world_size=1),
         cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto", kv_cache_layout=None),
         device_config=SimpleNamespace(device_type="cpu"), lora_config=None)
 
@@ -196,6 +197,20 @@ def test_synchronous_stores_hold_no_blocks():
     side, _ = scheduler(async_stores=False)
     assert len(step(side, request("r", None)).saves) == 1
     assert side.request_finished(request("r", None), [])[0] is False  # stored in the step: nothing to hold
+
+
+def test_a_request_whose_store_every_worker_finished_is_not_held():
+    side, _ = scheduler()
+    side._workers = 2  # two workers (TP 2): both must report the store done
+    assert len(step(side, request("r", None)).saves) == 1
+    one = SimpleNamespace(kv_connector_worker_meta=KVTierWorkerMetadata({"r": 1}), finished_recving=None,
+                          invalid_block_ids=set())
+    side.update_connector_output(one)  # type: ignore[arg-type]
+    assert side._requests["r"].stored_by == 1
+    side.update_connector_output(one)  # type: ignore[arg-type]
+    assert side.request_finished(request("r", None), [])[0] is False  # nothing in flight: freed at once
+    side.update_connector_output(one)  # type: ignore[arg-type]  # a late report of a finished request: ignored
+    assert KVTierWorkerMetadata({"a": 1}).aggregate(KVTierWorkerMetadata({"a": 1, "b": 1})).stored == {"a": 2, "b": 1}
 
 
 def test_store_false_is_looked_up_but_never_stored_nor_held():

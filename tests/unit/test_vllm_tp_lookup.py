@@ -29,7 +29,7 @@ OPTIONS = ConnectorOptions(url="tcp://127.0.0.1:9", chunk_size=64, model_id="tp-
 
 def vllm_config(tp: int) -> SimpleNamespace:
     return SimpleNamespace(
-        model_config=FakeModel("tp-test-model"), parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
+        model_config=FakeModel("tp-test-model"), parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, world_size=tp),
         cache_config=SimpleNamespace(block_size=BS, cache_dtype="auto", kv_cache_layout=None),
         device_config=SimpleNamespace(device_type="cpu"), lora_config=None)
 
