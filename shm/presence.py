@@ -20,7 +20,7 @@ import mmap
 import os
 import struct
 
-from kvtier.shm.segment import SHM_DIR, _path
+from kvtier.shm.segment import SHM_DIR, _path, create_mapped
 
 MAGIC = b"KVTPRES1"
 VERSION = 1
@@ -107,16 +107,8 @@ class PresenceFile:
         mark_closed(name, directory)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        size = file_bytes(regions, counters)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, mode)
-        try:
-            os.fchmod(fd, mode)  # readable by the clients the segment's mode admits, not filtered by the umask
-            os.ftruncate(fd, size)
-            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
+        # readable by the clients the segment's mode admits
+        fd, buf = create_mapped(path, file_bytes(regions, counters), mode)
         os.close(fd)
         buf[:_HEADER.size] = _HEADER.pack(MAGIC, VERSION, regions, counters, epoch, 1)
         return cls(name, directory, buf, regions, counters, epoch)

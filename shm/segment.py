@@ -48,6 +48,23 @@ def _path(name: str, directory: str = SHM_DIR) -> str:
     return os.path.join(directory, name)
 
 
+def create_mapped(path: str, size: int, mode: int, lock: bool = False) -> tuple[int, mmap.mmap]:
+    """A new file of `size` bytes at `path` (never an existing one), of exactly `mode` (os.open's mode is
+    filtered by the umask), mapped shared read-write; with `lock`, under an exclusive flock. Removed again
+    when a step fails. Returns its descriptor and mapping."""
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, mode)
+    try:
+        if lock:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.fchmod(fd, mode)
+        os.ftruncate(fd, size)
+        return fd, mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+
+
 def tmpfs_options(directory: str) -> dict[str, str]:
     """The mount options of the tmpfs holding `directory` (e.g. {"huge": "within_size"}); ValueError if it is
     not on a tmpfs: a segment on a disk filesystem would be written back to the disk."""
@@ -82,18 +99,8 @@ class Segment:
         """Create (or take over a stale) segment. Pages are not touched: memory is used only once written."""
         if size <= 0:
             raise ValueError("segment size must be positive")
-        path = _path(name, directory)
         remove_stale(name, directory)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, mode)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.fchmod(fd, mode)  # exactly --shm-mode: os.open's mode is filtered by the umask
-            os.ftruncate(fd, size)
-            buf = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
+        fd, buf = create_mapped(_path(name, directory), size, mode, lock=True)
         return cls(name, size, fd, buf, owner=True, directory=directory)
 
     @classmethod

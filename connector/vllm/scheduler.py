@@ -25,14 +25,7 @@ from kvtier.connector.results import L1_TIER, LookupResult
 from kvtier.connector.vllm.engine_events import Converter, EngineEvents, engine_hasher
 from kvtier.connector.vllm.hints import NO_HINTS, RequestHints, parse_hints
 from kvtier.connector.vllm.identity import LoraFingerprints, request_identity
-from kvtier.connector.vllm.meta import (
-    ConnectorOptions,
-    ConnectorSide,
-    KVTierMetadata,
-    KVTierWorkerMetadata,
-    LoadSpec,
-    SaveSpec,
-)
+from kvtier.connector.vllm.meta import ConnectorOptions, ConnectorSide, KVTierMetadata, LoadSpec, SaveSpec
 from kvtier.server.keys import PLAIN, Namespace, RequestIdentity, chunk_keys
 from kvtier.server.protocol import NO_HINT, SKIP_MODEL
 
@@ -287,9 +280,10 @@ class SchedulerSide(ConnectorSide):
             tracked.storing = True
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        stored = connector_output.kv_connector_worker_meta
-        if isinstance(stored, KVTierWorkerMetadata):
-            for req_id, workers in stored.stored.items():
+        # the workers' KVTierWorkerMetadata (meta.py), summed over them by vLLM: stores done since the last step
+        stored = getattr(connector_output.kv_connector_worker_meta, "stored", None)
+        if stored:
+            for req_id, workers in stored.items():
                 tracked = self._requests.get(req_id)
                 if tracked is not None:
                     tracked.stored_by += workers
