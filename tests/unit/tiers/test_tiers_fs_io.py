@@ -325,7 +325,9 @@ def test_encode_writes_from_aligned_sources_in_place_and_unaligned_ones_buffered
     path = fmt.write_file(str(tmp_path), m, enc)
     with open(path, "rb") as fh:
         assert fh.read()[m.data_offset : m.data_offset + size] == data
-    assert not fmt.encode(m, [data], odirect=True).odirect  # bytes are not page-aligned: buffered
+    unaligned = memoryview(mmap.mmap(-1, size + 1))[1 : size + 1]  # one byte past a page start
+    unaligned[:] = data
+    assert not fmt.encode(m, [unaligned], odirect=True).odirect  # not page-aligned: buffered
 
 
 def test_writer_releases_sources_only_once_the_file_is_written(tmp_path):
