@@ -3,7 +3,7 @@
 Not a pytest module (no ``test_`` prefix). Run from the project venv::
 
     .venv/bin/python tests/e2e/bench_serve.py [--quick] [--modes saturation,rate,fits]
-        [--configs none,kvtier,lmcache] [--rounds 2] [--hook-times] [--json [PATH]]
+        [--configs none,kvtier,lmcache|null] [--rounds 2] [--hook-times] [--json [PATH]]
 
 Workload: ``vllm bench serve --dataset-name prefix_repetition`` (text prompts built by the client from the
 tiny model's tokenizer, ``tests/e2e/tiny_model.py``): 32 prefixes of 2,000 tokens, each followed by a
@@ -21,8 +21,10 @@ greedy), on one CPU vLLM 0.32 (``--enforce-eager``, one worker core in every con
 Configurations (a fresh vLLM, and a fresh ``kvtier server --l1-size-gb 1`` or ``lmcache server
 --l1-size-gb 1``, for each run; both stopped after it): ``none`` (no kv-transfer-config), ``kvtier`` (the
 kv-transfer-config of docs/quickstart.md, ``harness.kvtier_connector_config``), ``lmcache``
-(``LMCacheMPConnector``, ``scripts/lmcache_env.sh``'s separate venv). Per mode they run interleaved, none,
-kvtier, lmcache, none, ... ``--rounds`` times, so a slow drift of the machine hits all of them alike.
+(``LMCacheMPConnector``, ``scripts/lmcache_env.sh``'s separate venv), and, only when named, ``null``
+(null_connector.py, a connector that does nothing: vLLM's own cost of having one, to split a connector's cost).
+Per mode they run interleaved, none, null, kvtier, lmcache, none, ... ``--rounds`` times, so a slow drift of
+the machine hits all of them alike.
 
 Each run: 4 unrelated warm-up requests, ``POST /reset_prefix_cache``, then the client (same seed, so the
 same prompts in the same order for every configuration). The figures come from the client's
@@ -59,7 +61,13 @@ import bench_vllm  # noqa: E402  (LMCache's venv, server and connector config)
 import harness  # noqa: E402
 
 REPO = harness.REPO
-CONFIGS = ("none", "kvtier", "lmcache")
+CONFIGS = ("none", "null", "kvtier", "lmcache")
+DEFAULT_CONFIGS = ("none", "kvtier", "lmcache")
+NULL_CONNECTOR = {  # null_connector.py: vLLM's own cost of a configured connector
+    "kv_connector": "NullConnector",
+    "kv_connector_module_path": "null_connector",
+    "kv_role": "kv_both",
+}
 BLOCKS_SMALL = 160  # vLLM KV cache blocks (128 tokens) in saturation and rate: the prefixes do not fit
 MODES: dict[str, dict[str, Any]] = {
     "saturation": {"max_concurrency": 16, "request_rate": "inf", "blocks": BLOCKS_SMALL},
@@ -189,6 +197,11 @@ def run_once(
             kp, kh = harness.free_port(), harness.free_port()
             daemon = bench_vllm.start_lmcache(lm_py, kp, kh, logdir, l1_gb=args.l1_gb)
             kvc, py = bench_vllm.lmcache_config(kp), lm_py
+        elif config == "null":
+            kvc, py = NULL_CONNECTOR, vllm_py
+            env_extra["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(Path(__file__).resolve().parent), os.environ.get("PYTHONPATH", "")) if p
+            )
         else:
             kvc, py = None, vllm_py
         blocks = MODES[mode]["blocks"]
@@ -228,7 +241,7 @@ def run_once(
             harness.reset_prefix_cache(v.port)
             time.sleep(1.5)  # hook_times.py rewrites its files once a second
             before = vllm_counters(v.port)
-            hooks_before = load_hook_times(hook_dir) if env_extra else {}
+            hooks_before = load_hook_times(hook_dir) if "KVTIER_HOOK_TIMES" in env_extra else {}
             result = out_dir / "results" / f"{tag}.json"
             result.parent.mkdir(parents=True, exist_ok=True)
             result.unlink(missing_ok=True)
@@ -240,7 +253,7 @@ def run_once(
             res["vllm_log"] = str(v.log_path)
         finally:
             v.stop(grace=20)  # the connector's shutdown writes its final hook times
-        if env_extra:  # calls and totals of the client's requests only; percentiles include the warm-up
+        if "KVTIER_HOOK_TIMES" in env_extra:  # the client's requests' calls and totals; percentiles: all
             res["hooks"] = hooks = load_hook_times(hook_dir)
             for h, x in hooks.items():
                 b = hooks_before.get(h, {"calls": 0, "total_ms": 0.0})
@@ -383,7 +396,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="a smoke: 64 prompts, 1 round")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
-    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--configs", default=",".join(DEFAULT_CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}"
+    )
     ap.add_argument(
         "--rounds", type=int, default=None, help="runs per configuration and mode (default 2; quick 1)"
     )
