@@ -67,6 +67,7 @@ NULL_CONNECTOR = {  # null_connector.py: vLLM's own cost of a configured connect
     "kv_connector": "NullConnector",
     "kv_connector_module_path": "null_connector",
     "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",  # as kvtier's config (it never loads)
 }
 BLOCKS_SMALL = 160  # vLLM KV cache blocks (128 tokens) in saturation and rate: the prefixes do not fit
 MODES: dict[str, dict[str, Any]] = {
