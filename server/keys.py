@@ -99,8 +99,8 @@ class Namespace:
 
 @functools.lru_cache(maxsize=4096)
 def _fingerprint(ns: Namespace) -> bytes:
-    """Namespace.fingerprint, remembered: every key chain starts from it, and encoding it costs about a fifth of
-    a 2,000-token prompt's keys (the scheduler computes them for every new request)."""
+    """Namespace.fingerprint, remembered: every key chain starts from it, and the scheduler computes a new
+    request's keys (from one of a few namespaces) on its scheduling path."""
     canonical = msgpack.packb(_sorted(ns.to_dict()), use_bin_type=True)
     return digest(b"kvtier-ns-v1\x00" + canonical)
 
