@@ -23,8 +23,8 @@ Configurations (a fresh vLLM, and a fresh ``kvtier server --l1-size-gb 1`` or ``
 kv-transfer-config of docs/quickstart.md, ``harness.kvtier_connector_config``), ``lmcache``
 (``LMCacheMPConnector``, ``scripts/lmcache_env.sh``'s separate venv), and, only when named, ``null``
 (null_connector.py, a connector that does nothing: vLLM's own cost of having one, to split a connector's cost).
-Per mode they run interleaved, none, null, kvtier, lmcache, none, ... ``--rounds`` times, so a slow drift of
-the machine hits all of them alike.
+Per mode they run interleaved ``--rounds`` times, in the listed order in odd rounds and the reverse in even
+ones (none, kvtier, kvtier, none, none, ...), so a slow drift of the machine hits all of them alike.
 
 Each run: 4 unrelated warm-up requests, ``POST /reset_prefix_cache``, then the client (same seed, so the
 same prompts in the same order for every configuration). The figures come from the client's
@@ -32,7 +32,9 @@ same prompts in the same order for every configuration). The figures come from t
 ``/metrics`` gives where the prompt tokens came from (computed, vLLM's prefix cache, the connector).
 Output: a table per mode with the mean over rounds, each configuration's noise band (the spread of its
 rounds, (max - min) / mean), and the ratio to ``none`` (mean over mean, and the range of the per-round
-ratios). A difference inside the noise bands is not a result. ``--hook-times`` also times the kvtier
+ratios); from 3 rounds on, also the geometric mean of the per-round ratios (each round's two runs are
+neighbours) with its 95 % percentile-bootstrap interval: the figure to hold against a margin such as "within
+5 %". A difference inside the noise bands is not a result. ``--hook-times`` also times the kvtier
 connector's hooks inside vLLM (``KVTIER_HOOK_TIMES``, connector/vllm/hook_times.py) and adds them to the table:
 calls and totals of the client's requests (the warm-up's subtracted), p99 over all calls; the wrappers cost a
 little, so leave it off for the figures that compare configurations.
@@ -54,6 +56,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -276,6 +280,18 @@ def band(xs: list[float]) -> float:
     return (max(xs) - min(xs)) / m if m else float("nan")
 
 
+def ratio_interval(ratios: list[float], resamples: int = 10_000) -> tuple[float, float, float]:
+    """Geometric mean of paired per-round ratios and its 95 % percentile-bootstrap interval (rounds resampled
+    with replacement, a fixed seed so a result file is reproducible); no interval under 3 rounds."""
+    logs = np.log(np.asarray(ratios, dtype=float))
+    gm = float(np.exp(logs.mean())) if logs.size else math.nan
+    if logs.size < 3:
+        return gm, math.nan, math.nan
+    means = logs[np.random.default_rng(0).integers(0, logs.size, (resamples, logs.size))].mean(axis=1)
+    lo, hi = np.exp(np.percentile(means, [2.5, 97.5]))
+    return gm, float(lo), float(hi)
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per mode and configuration: each metric's per-round values, mean and band; ratios to `none`."""
     out: dict[str, Any] = {}
@@ -322,10 +338,13 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     per_round = [
                         a / b for a, b in zip(s[key]["per_round"], base[key]["per_round"], strict=False) if b
                     ]
+                    gm, lo, hi = ratio_interval(per_round)
                     s["ratio_to_none"][key] = {
                         "ratio": s[key]["mean"] / base[key]["mean"] if base[key]["mean"] else math.nan,
                         "per_round_min": min(per_round, default=math.nan),
                         "per_round_max": max(per_round, default=math.nan),
+                        "per_round_geomean": gm,
+                        "interval_95": [lo, hi],
                     }
         out[mode] = ms
     return out
@@ -363,6 +382,15 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
                     r = ms[c]["ratio_to_none"][key]
                     cells.append(f"{r['ratio']:.2f}x ({r['per_round_min']:.2f}-{r['per_round_max']:.2f})")
                 lines.append(f"  {label:{lw - 2}s}" + "".join(f"{x:>{w}s}" for x in cells))
+            if min(ms[c]["rounds"] for c in cfgs) >= 3:
+                lines.append("geomean of per-round ratios [95 % bootstrap interval]")
+                for key, label, _ in METRICS:
+                    cells = []
+                    for c in cfgs:
+                        r = ms[c]["ratio_to_none"][key]
+                        lo, hi = r["interval_95"]
+                        cells.append(f"{r['per_round_geomean']:.3f}x [{lo:.3f}-{hi:.3f}]")
+                    lines.append(f"  {label:{lw - 2}s}" + "".join(f"{x:>{w}s}" for x in cells))
         for src, label in (
             ("local_compute", "prompt tok computed"),
             ("local_cache_hit", "prompt tok vLLM cache"),
@@ -455,7 +483,7 @@ def main() -> int:
     try:
         for mode in modes:
             for rnd in range(1, args.rounds + 1):
-                for cfg in configs:
+                for cfg in configs if rnd % 2 else configs[::-1]:
                     key = f"{mode}/{cfg}"
                     if key in failures:
                         continue
