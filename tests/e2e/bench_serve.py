@@ -3,7 +3,8 @@
 Not a pytest module (no ``test_`` prefix). Run from the project venv::
 
     .venv/bin/python tests/e2e/bench_serve.py [--quick] [--modes saturation,rate,fits]
-        [--configs none,kvtier,lmcache|null] [--rounds 2] [--hook-times] [--json [PATH]]
+        [--configs none,kvtier,lmcache|null] [--rounds 2] [--hook-times] [--thread-cpu]
+        [--json [PATH]]
 
 Workload: ``vllm bench serve --dataset-name prefix_repetition`` (text prompts built by the client from the
 tiny model's tokenizer, ``tests/e2e/tiny_model.py``): 32 prefixes of 2,000 tokens, each followed by a
@@ -37,7 +38,9 @@ neighbours) with its 95 % percentile-bootstrap interval: the figure to hold agai
 5 %". A difference inside the noise bands is not a result. ``--hook-times`` also times the kvtier
 connector's hooks inside vLLM (``KVTIER_HOOK_TIMES``, connector/vllm/hook_times.py) and adds them to the table:
 calls and totals of the client's requests (the warm-up's subtracted), p99 over all calls; the wrappers cost a
-little, so leave it off for the figures that compare configurations.
+little, so leave it off for the figures that compare configurations. ``--thread-cpu`` adds, per
+configuration, the CPU seconds and involuntary context switches of each thread of vLLM and the daemon during
+the client's run (thread_cpu.py): where the cores went.
 
 Every wait is bounded (startup, warm-up, the client: ``--client-timeout``); vLLM, the daemons and the
 client each run in their own process group and are killed on error or exit (harness.Proc).
@@ -54,6 +57,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_vllm  # noqa: E402  (LMCache's venv, server and connector config)
 import harness  # noqa: E402
+import thread_cpu  # noqa: E402
 
 REPO = harness.REPO
 CONFIGS = ("none", "null", "kvtier", "lmcache")
@@ -251,7 +256,13 @@ def run_once(
             result.parent.mkdir(parents=True, exist_ok=True)
             result.unlink(missing_ok=True)
             cmd = client_cmd(vllm_py, model, v.port, mode, args, result)
+            pgids = {v.pgid: "vllm"} | ({daemon.pgid: "daemon"} if daemon is not None else {})
+            threads_before = thread_cpu.snapshot(pgids) if args.thread_cpu else {}
             res["client"] = run_client(cmd, logdir / f"client-{tag}.log", result, args.client_timeout)
+            if args.thread_cpu:
+                res["threads"] = [
+                    asdict(u) for u in thread_cpu.usage(threads_before, thread_cpu.snapshot(pgids))
+                ]
             after = vllm_counters(v.port)
             res["prompt_tokens"] = {k: after[k] - before[k] for k in (*SOURCES, "preemptions")}
             res["log_errors"] = [ln[-300:] for ln in v.log_text().splitlines() if ERROR_LINES.search(ln)][:20]
@@ -329,6 +340,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     for h in HOOKS
                     if any(h in x for x in hooks)
                 }
+            threads = [r["threads"] for r in rs if r.get("threads")]
+            if threads:
+                s["threads"] = thread_rows(threads)
             ms[cfg] = s
         if "none" in ms:
             base = ms["none"]
@@ -348,6 +362,28 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     }
         out[mode] = ms
     return out
+
+
+def thread_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """thread_cpu.py's rows of several runs: per (process, thread) the mean CPU s and involuntary switches per
+    run, busiest first."""
+    acc: dict[tuple[str, str], dict[str, Any]] = {}
+    for rows in runs:
+        for r in rows:
+            a = acc.setdefault(
+                (r["process"], r["thread"]),
+                {
+                    "process": r["process"],
+                    "thread": r["thread"],
+                    "cpu_s": 0.0,
+                    "involuntary": 0.0,
+                    "cores": set(),
+                },
+            )
+            a["cpu_s"] += r["cpu_s"] / len(runs)
+            a["involuntary"] += r["involuntary"] / len(runs)
+            a["cores"].update(r["cores"])
+    return sorted(({**a, "cores": sorted(a["cores"])} for a in acc.values()), key=lambda a: -a["cpu_s"])
 
 
 def describe(mode: str, args: argparse.Namespace) -> str:
@@ -410,6 +446,11 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
         )
         lines.append(f"{'rounds':{lw}s}" + "".join(f"{ms[c]['rounds']:>{w}d}" for c in cfgs))
         for c in cfgs:
+            for t in ms[c].get("threads", [])[:12]:
+                lines.append(
+                    f"  {c} thread {t['process']}/{t['thread']}: {t['cpu_s']:.2f} CPU s/run, "
+                    f"{t['involuntary']:.0f} involuntary switches/run, cores {t['cores']}"
+                )
             for h, x in ms[c].get("hooks", {}).items():
                 lines.append(
                     f"  {c} hook {h}: {x['calls_per_round']:.0f} calls/round, mean {x['mean_ms']:.3f} ms, "
@@ -440,6 +481,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="the client's dataset seed (same for every run)")
     ap.add_argument(
         "--hook-times", action="store_true", help="time the kvtier connector's hooks (KVTIER_HOOK_TIMES)"
+    )
+    ap.add_argument(
+        "--thread-cpu",
+        action="store_true",
+        help="per-thread CPU and involuntary switches of vLLM and the daemon during the client (thread_cpu.py)",
     )
     ap.add_argument("--startup-timeout", type=float, default=300.0)
     ap.add_argument(
