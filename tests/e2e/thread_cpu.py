@@ -4,6 +4,8 @@ bench_serve.py ``--thread-cpu`` takes a snapshot of every thread of vLLM's proce
 the client starts and another after it ends. Per thread: CPU seconds (utime + stime), involuntary context
 switches (the thread was runnable and another took its core: the sign of two busy threads on one core) and
 the core it last ran on. Threads come and go between snapshots; one that ended before the second is not counted.
+Rows are per thread name: a process's main thread is `main`, and CPython's other threads (which carry the
+process's name in the OS: vLLM's venv is Python 3.11) share one row under that name.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def snapshot(groups: dict[int, str]) -> dict[tuple[int, int], ThreadSample]:
                 continue
             out[(int(proc.name), int(task.name))] = ThreadSample(
                 process=process,
-                thread=_comm(task / "comm"),
+                # CPython (before 3.14) leaves its threads' OS names at the process's: the main one told apart
+                thread="main" if task.name == proc.name else _comm(task / "comm"),
                 cpu_s=(int(tf[11]) + int(tf[12])) / TICK,  # utime, stime (fields 14, 15)
                 involuntary=_involuntary(task / "status"),
                 core=int(tf[36]),  # field 39: the CPU it last ran on
