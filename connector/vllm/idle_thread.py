@@ -9,10 +9,10 @@ worker to, the store thread takes that core and the GIL in that window: the requ
 of the machine wants (the worker's and the engine core's waits for each other, an idle core), and the first
 token is no longer held up by it.
 
-An idle thread gets almost nothing on cores that stay busy, so the worker lends it its own core when a store
-has waited too long and the thread is runnable (in_flight.py, `lend_cpu`: the worker sleeps up to 10 ms a
-step). Linux only; elsewhere, or where the kernel refuses, the thread keeps the worker's priority and cores
-(one log line says so).
+An idle thread gets almost nothing on cores that stay busy, so the worker bounds how long a store may wait
+(in_flight.py): past `max_store_wait_s` its main thread waits for the store, as a synchronous store would have
+made it, and its own core is then free for the store thread. Linux only; elsewhere, or where the kernel
+refuses, the thread keeps the worker's priority and cores (one log line says so).
 """
 
 from __future__ import annotations
@@ -67,15 +67,3 @@ def enter_idle() -> bool:
     except OSError as exc:  # idle on the worker's own cores still leaves them to the worker's threads
         log.info("kvtier: the idle store thread stays on the worker's cores %s (%s)", sorted(bound), exc)
     return True
-
-
-def runnable(tid: int | None) -> bool:
-    """Whether thread `tid` of this process is running or waiting for a CPU (state R in /proc), rather than
-    sleeping (on the server's reply, on its queue); False when unknown."""
-    if tid is None:
-        return False
-    try:
-        stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rpartition(")")[2].split()[:1] == ["R"]

@@ -17,13 +17,12 @@ Torch- and vLLM-free, so that it is unit-tested on its own.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvtier.connector.vllm.idle_thread import enter_idle, runnable
+from kvtier.connector.vllm.idle_thread import enter_idle
 
 log = logging.getLogger("kvtier.connector")
 
@@ -44,16 +43,13 @@ class InFlight:
     result is ignored (a failed store is only a future miss). Called from the worker's one thread.
     """
 
-    def __init__(self, idle_stores: bool = False, max_store_wait_s: float = 0.1, max_lend_s: float = 0.01) -> None:
+    def __init__(self, idle_stores: bool = False, max_store_wait_s: float = 0.1) -> None:
         """`idle_stores`: the store thread runs at idle priority on any usable core (idle_thread.py), read when
-        the thread starts (its first store). An idle thread on cores that stay busy gets almost no CPU, so each
-        `finished` call lends it the worker's own core (`lend_cpu`) while a store older than
-        `max_store_wait_s` is starved, for at most `max_lend_s`."""
+        the thread starts (its first store); a store waiting longer than `max_store_wait_s` is then waited for
+        by the next `finished` call, so that an idle thread on busy cores cannot hold blocks for long."""
         self.idle_stores = idle_stores
         self.max_store_wait_s = max_store_wait_s
-        self.max_lend_s = max_lend_s
-        self.lent = 0  # calls that lent the worker's core to a starved store thread
-        self._store_tid: int | None = None
+        self.stalled = 0  # stores the worker waited for because they had waited past max_store_wait_s
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")
         self._storer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-store",
                                           initializer=self._store_thread_started)
@@ -65,7 +61,6 @@ class InFlight:
         self._told: set[str] = set()  # requests whose finished store `stored` has reported
 
     def _store_thread_started(self) -> None:
-        self._store_tid = threading.get_native_id()
         if self.idle_stores:
             enter_idle()
 
@@ -112,28 +107,23 @@ class InFlight:
         self._told |= done
         return done
 
-    def lend_cpu(self, now: float) -> float:
-        """While a store handed over more than `max_store_wait_s` before `now` is not done and the store thread
-        is runnable (starved of CPU; not waiting on the server), sleep in 1-ms slices, for at most `max_lend_s`,
-        so that the thread gets the caller's core. A store waiting on the server is not waited for: the step
-        never waits on the network for a store. Seconds lent."""
-        late = [f for r, f in self._stores.items() if not f.done() and now - self._submitted[r] > self.max_store_wait_s]
-        if not late or not runnable(self._store_tid):
-            return 0.0
-        if not self.lent:
-            log.info("kvtier: a store waited over %.0f ms for CPU at idle priority; the worker lends it its core "
-                     "for up to %.0f ms a step (docs/vllm.md, kvtier.idle_stores)", 1000 * self.max_store_wait_s,
-                     1000 * self.max_lend_s)
-        self.lent += 1
-        start = time.monotonic()
-        while time.monotonic() - start < self.max_lend_s and not late[-1].done() and runnable(self._store_tid):
-            time.sleep(0.001)
-        return time.monotonic() - start
+    def wait_for_stalled(self, now: float) -> int:
+        """Wait for every store handed over more than `max_store_wait_s` before `now` (they run in order, so
+        the newest of them): while the caller waits, its core is free for an idle store thread. How many."""
+        late = [r for r, f in self._stores.items() if not f.done() and now - self._submitted[r] > self.max_store_wait_s]
+        if not late:
+            return 0
+        self._stores[max(late, key=self._submitted.__getitem__)].result()
+        if not self.stalled:
+            log.info("kvtier: a store waited over %.0f ms for CPU at idle priority; the worker waits for such "
+                     "stores (docs/vllm.md, kvtier.idle_stores)", 1000 * self.max_store_wait_s)
+        self.stalled += len(late)
+        return len(late)
 
     def finished(self, finished_req_ids: Iterable[str]) -> Finished:
         out = Finished()
         if self.idle_stores:
-            self.lend_cpu(time.monotonic())
+            self.wait_for_stalled(time.monotonic())
         self._finished.update(finished_req_ids)
         for req_id in list(self._finished):
             future = self._stores.get(req_id)

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.connector")
 
 GPU_EVENTS = 64  # interprocess events per worker: operations in flight at once before one must finish
-MAX_STORE_WAIT_S = 0.1  # an idle-priority store starved longer is lent the worker's core (in_flight.py)
+MAX_STORE_WAIT_S = 0.1  # an idle-priority store waiting longer is waited for by the worker (in_flight.py)
 
 
 class WorkerSide(ConnectorSide):

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.e2e
 
 TORCH_TESTS = ["tests/unit/test_gpu_memory.py", "tests/unit/test_vllm_identity.py", "tests/unit/test_vllm_tp_lookup.py",
                "tests/unit/test_in_flight.py", "tests/unit/test_engine_events.py", "tests/unit/test_request_hints.py",
-               "tests/unit/test_scheduler_presence.py", "tests/unit/test_idle_thread.py"]
+               "tests/unit/test_scheduler_presence.py"]
 
 
 def test_torch_unit_tests_pass_in_the_vllm_environment(vllm_python: Path):

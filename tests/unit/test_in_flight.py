@@ -6,7 +6,6 @@ tests/e2e/test_torch_unit_tests.py runs it in vLLM's venv.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -15,7 +14,6 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
-from kvtier.connector.vllm.idle_thread import usable_cpus  # noqa: E402
 from kvtier.connector.vllm.in_flight import InFlight  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -145,80 +143,3 @@ def test_wait_for_stores_blocks_until_the_store_is_done(flight):
     assert flight.wait_for_stores(["r1", "r-unknown"]) == 1
     assert copied == [True]  # the blocks were read before the caller went on
     assert flight.wait_for_stores(["r1"]) == 0
-
-
-def _store_policy(flight: InFlight) -> int:
-    """The scheduling policy the store thread runs a job under."""
-    seen: list[int] = []
-    flight.store("p", lambda: seen.append(os.sched_getscheduler(0)))
-    flight.wait_for_stores(["p"])
-    return seen[0]
-
-
-@pytest.mark.skipif(
-    not hasattr(os, "SCHED_IDLE") or len(os.sched_getaffinity(0)) < 2,
-    reason="Linux scheduling policies, two cores",
-)
-def test_idle_stores_run_at_idle_priority_on_every_usable_core():
-    everywhere = os.sched_getaffinity(0)
-    os.sched_setaffinity(
-        0, {min(everywhere)}
-    )  # as vLLM binds its worker's main thread, whose threads inherit it
-    flight = InFlight(idle_stores=True)
-    try:
-        cores: list[set[int]] = []
-        assert _store_policy(flight) == os.SCHED_IDLE
-        flight.store("q", lambda: cores.append(os.sched_getaffinity(0)))
-        flight.wait_for_stores(["q"])
-        assert cores == [everywhere & usable_cpus()] and len(cores[0]) > 1
-    finally:
-        os.sched_setaffinity(0, everywhere)
-        flight.close()
-
-
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling policies")
-def test_stores_keep_the_workers_priority_unless_idle_is_asked(flight):
-    assert _store_policy(flight) == os.sched_getscheduler(0) != os.SCHED_IDLE
-
-
-def test_a_late_store_waiting_on_the_server_is_not_waited_for():
-    """The step never waits on the network for a store: a store blocked (here on an event, as on the server's
-    reply) is left alone however long it has waited."""
-    flight = InFlight(idle_stores=True, max_store_wait_s=0.01, max_lend_s=1.0)
-    started, release = _gated()
-    try:
-        flight.store("s", lambda: (started.set(), release.wait(5)))
-        assert started.wait(5)
-        time.sleep(0.05)
-        t0 = time.monotonic()
-        flight.finished(set())
-        assert time.monotonic() - t0 < 0.5 and flight.lent == 0
-    finally:
-        release.set()
-        flight.close()
-
-
-@pytest.mark.parametrize("idle", [True, False])
-def test_a_late_runnable_store_is_lent_the_workers_core_for_a_bounded_time(idle):
-    """A store thread that wants CPU (runnable) and whose store is past the bound gets the worker's core: the
-    step sleeps, up to `max_lend_s`. Only with idle stores: otherwise the thread has the worker's priority."""
-    flight = InFlight(idle_stores=idle, max_store_wait_s=0.01, max_lend_s=0.1)
-    started, stop = _gated()
-
-    def spin() -> None:
-        started.set()
-        while not stop.is_set():
-            pass
-
-    try:
-        flight.store("s", spin)
-        assert started.wait(5)
-        time.sleep(0.05)
-        t0 = time.monotonic()
-        flight.finished(set())
-        lent = time.monotonic() - t0
-        assert (flight.lent, lent >= 0.09) == ((1, True) if idle else (0, False))
-        assert lent < 5
-    finally:
-        stop.set()
-        flight.close()
