@@ -17,12 +17,9 @@ Torch- and vLLM-free, so that it is unit-tested on its own.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-
-from kvtier.connector.vllm.idle_thread import enter_idle
 
 log = logging.getLogger("kvtier.connector")
 
@@ -43,26 +40,14 @@ class InFlight:
     result is ignored (a failed store is only a future miss). Called from the worker's one thread.
     """
 
-    def __init__(self, idle_stores: bool = False, max_store_wait_s: float = 0.1) -> None:
-        """`idle_stores`: the store thread runs at idle priority on any usable core (idle_thread.py), read when
-        the thread starts (its first store); a store waiting longer than `max_store_wait_s` is then waited for
-        by the next `finished` call, so that an idle thread on busy cores cannot hold blocks for long."""
-        self.idle_stores = idle_stores
-        self.max_store_wait_s = max_store_wait_s
-        self.stalled = 0  # stores the worker waited for because they had waited past max_store_wait_s
+    def __init__(self) -> None:
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-load")
-        self._storer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-store",
-                                          initializer=self._store_thread_started)
+        self._storer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-store")
         self._loads: dict[str, tuple[Future[set[int]], list[int]]] = {}
         self._stores: dict[str, Future[None]] = {}
-        self._submitted: dict[str, float] = {}  # when each store in _stores was handed over (monotonic)
         self._held: set[str] = set()  # the scheduler holds these requests' blocks until we report the store
         self._finished: set[str] = set()  # finished requests with a store still in flight
         self._told: set[str] = set()  # requests whose finished store `stored` has reported
-
-    def _store_thread_started(self) -> None:
-        if self.idle_stores:
-            enter_idle()
 
     def load(self, req_id: str, block_ids: list[int], job: Callable[[], set[int]]) -> None:
         if req_id in self._loads:  # vLLM never plans two loads of one request at once
@@ -74,7 +59,6 @@ class InFlight:
         if previous is not None:
             previous.result()  # one store per request at a time: a second waits for the first
         self._told.discard(req_id)
-        self._submitted[req_id] = time.monotonic()
         self._stores[req_id] = self._storer.submit(self._logged(req_id, job))
 
     @staticmethod
@@ -107,30 +91,14 @@ class InFlight:
         self._told |= done
         return done
 
-    def wait_for_stalled(self, now: float) -> int:
-        """Wait for every store handed over more than `max_store_wait_s` before `now` (they run in order, so
-        the newest of them): while the caller waits, its core is free for an idle store thread. How many."""
-        late = [r for r, f in self._stores.items() if not f.done() and now - self._submitted[r] > self.max_store_wait_s]
-        if not late:
-            return 0
-        self._stores[max(late, key=self._submitted.__getitem__)].result()
-        if not self.stalled:
-            log.info("kvtier: a store waited over %.0f ms for CPU at idle priority; the worker waits for such "
-                     "stores (docs/vllm.md, kvtier.idle_stores)", 1000 * self.max_store_wait_s)
-        self.stalled += len(late)
-        return len(late)
-
     def finished(self, finished_req_ids: Iterable[str]) -> Finished:
         out = Finished()
-        if self.idle_stores:
-            self.wait_for_stalled(time.monotonic())
         self._finished.update(finished_req_ids)
         for req_id in list(self._finished):
             future = self._stores.get(req_id)
             if future is not None and not future.done():
                 continue
             self._stores.pop(req_id, None)
-            self._submitted.pop(req_id, None)
             self._finished.discard(req_id)
             self._told.discard(req_id)
             if req_id in self._held:

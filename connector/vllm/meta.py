@@ -42,7 +42,6 @@ class ConnectorOptions:
     kv_layout: str = ""  # GPU: the KV layout asked of vLLM (e.g. BLNHC, block-major); "" = vLLM's choice
     async_transfers: bool = False  # loads in the background too (WAITING_FOR_REMOTE_KVS)
     async_stores: bool = True  # stores on a worker thread, off the engine's step (a finished request's blocks held)
-    idle_stores: bool = True  # CPU engines: that thread at idle priority on any core (idle_thread.py)
     model_id: str = ""  # names the weights instead of fingerprinting their files (docs/vllm.md, the key)
     verify_fraction: float = 0.0  # sampled hits recomputed and compared with what kvtier holds (0 = off)
     verify_tolerance: float = 0.05  # relative L2 difference above which a recomputed block is a mismatch

@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.connector")
 
 GPU_EVENTS = 64  # interprocess events per worker: operations in flight at once before one must finish
-MAX_STORE_WAIT_S = 0.1  # an idle-priority store waiting longer is waited for by the worker (in_flight.py)
 
 
 class WorkerSide(ConnectorSide):
@@ -54,7 +53,7 @@ class WorkerSide(ConnectorSide):
         self._kv: PagedKV | None = None
         self._kv_dtype = ""  # the engine's KV element type (torch's name), for verification
         self._load_errors: set[int] = set()
-        self._in_flight = InFlight(options.idle_stores, MAX_STORE_WAIT_S) if self.async_stores else None
+        self._in_flight = InFlight() if self.async_stores else None
         self._gpu: GpuTransfers | None = None
         self._events: Any = None  # the GPU worker's CudaEvents
 
@@ -98,7 +97,6 @@ class WorkerSide(ConnectorSide):
         self._gpu = GpuTransfers(self.client, memory, events)
         if self._in_flight is None:
             self._in_flight = InFlight()
-        self._in_flight.idle_stores = False  # its stores wait on the server's copier: no CPU work to keep idle
         self._gpu.start()
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
