@@ -2,7 +2,7 @@
 
 Not a pytest module (no ``test_`` prefix). Run from the project venv::
 
-    .venv/bin/python tests/e2e/bench_store_cost.py [--runs 4] [--requests 200] [--alternate idle_stores=false]
+    .venv/bin/python tests/e2e/bench_store_cost.py [--runs 4] [--requests 200] [--alternate async_stores=false]
         [--json PATH]
 
 One CPU vLLM 0.32 with the kvtier connector (a fresh ``kvtier server --l1-size-gb 1``), vLLM's default cache,
