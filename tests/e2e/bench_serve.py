@@ -342,7 +342,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 }
             threads = [r["threads"] for r in rs if r.get("threads")]
             if threads:
-                s["threads"] = thread_rows(threads)
+                s["threads"] = thread_cpu.mean_rows(threads)
             ms[cfg] = s
         if "none" in ms:
             base = ms["none"]
@@ -362,28 +362,6 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     }
         out[mode] = ms
     return out
-
-
-def thread_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """thread_cpu.py's rows of several runs: per (process, thread) the mean CPU s and involuntary switches per
-    run, busiest first."""
-    acc: dict[tuple[str, str], dict[str, Any]] = {}
-    for rows in runs:
-        for r in rows:
-            a = acc.setdefault(
-                (r["process"], r["thread"]),
-                {
-                    "process": r["process"],
-                    "thread": r["thread"],
-                    "cpu_s": 0.0,
-                    "involuntary": 0.0,
-                    "cores": set(),
-                },
-            )
-            a["cpu_s"] += r["cpu_s"] / len(runs)
-            a["involuntary"] += r["involuntary"] / len(runs)
-            a["cores"].update(r["cores"])
-    return sorted(({**a, "cores": sorted(a["cores"])} for a in acc.values()), key=lambda a: -a["cpu_s"])
 
 
 def describe(mode: str, args: argparse.Namespace) -> str:
@@ -448,7 +426,7 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
         for c in cfgs:
             for t in ms[c].get("threads", [])[:12]:
                 lines.append(
-                    f"  {c} thread {t['process']}/{t['thread']}: {t['cpu_s']:.2f} CPU s/run, "
+                    f"  {c} thread {t['process']}/{t['thread']} ({t['threads']}): {t['cpu_s']:.2f} CPU s/run, "
                     f"{t['involuntary']:.0f} involuntary switches/run, cores {t['cores']}"
                 )
             for h, x in ms[c].get("hooks", {}).items():

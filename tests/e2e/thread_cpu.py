@@ -5,7 +5,8 @@ the client starts and another after it ends. Per thread: CPU seconds (utime + st
 switches (the thread was runnable and another took its core: the sign of two busy threads on one core) and
 the core it last ran on. Threads come and go between snapshots; one that ended before the second is not counted.
 Rows are per thread name: a process's main thread is `main`, and CPython's other threads (which carry the
-process's name in the OS: vLLM's venv is Python 3.11) share one row under that name.
+process's name in the OS: vLLM's venv is Python 3.11) share one row under that name. `mean_rows` averages the
+rows of several runs and then folds a process's rows under 0.05 s into one, `(others)`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -92,23 +94,58 @@ class ThreadUsage:
 
 
 def usage(
-    before: dict[tuple[int, int], ThreadSample],
-    after: dict[tuple[int, int], ThreadSample],
-    min_cpu_s: float = 0.05,
+    before: dict[tuple[int, int], ThreadSample], after: dict[tuple[int, int], ThreadSample]
 ) -> list[ThreadUsage]:
-    """Per thread alive in both snapshots: CPU seconds and involuntary switches between them, busiest first;
-    threads under `min_cpu_s` folded into one row per process."""
+    """Per (process, thread name), over the threads alive in both snapshots: CPU seconds and involuntary
+    switches between them, busiest first. Every name is a row of its own, however little it used, so that a
+    row is the same set of threads in every run (`mean_rows` folds the small ones after averaging)."""
     rows: dict[tuple[str, str], ThreadUsage] = {}
     for key, a in after.items():
         b = before.get(key)
         if b is None:
             continue
-        cpu = a.cpu_s - b.cpu_s
-        name = (a.process, a.thread if cpu >= min_cpu_s else "(others)")
-        row = rows.setdefault(name, ThreadUsage(*name))
-        row.cpu_s += cpu
+        row = rows.setdefault((a.process, a.thread), ThreadUsage(a.process, a.thread))
+        row.cpu_s += a.cpu_s - b.cpu_s
         row.involuntary += a.involuntary - b.involuntary
         row.threads += 1
         if a.core not in row.cores:
             row.cores.append(a.core)
     return sorted(rows.values(), key=lambda r: -r.cpu_s)
+
+
+def _add(into: dict[str, Any], row: dict[str, Any], share: float) -> None:
+    into["cpu_s"] += row["cpu_s"] * share
+    into["involuntary"] += row["involuntary"] * share
+    into["cores"].update(row["cores"])
+
+
+def mean_rows(runs: list[list[dict[str, Any]]], min_cpu_s: float = 0.05) -> list[dict[str, Any]]:
+    """`usage` rows (as dicts) of several runs: per (process, thread) the mean CPU seconds and involuntary
+    switches per run (a row missing from a run counts 0 there), busiest first; the rows of a process whose
+    mean is under `min_cpu_s` are folded into one row, `(others)`, `threads` saying how many threads it holds."""
+
+    def blank(process: str, thread: str) -> dict[str, Any]:
+        return {
+            "process": process,
+            "thread": thread,
+            "cpu_s": 0.0,
+            "involuntary": 0.0,
+            "threads": 0,
+            "cores": set(),
+        }
+
+    means: dict[tuple[str, str], dict[str, Any]] = {}
+    for rows in runs:
+        for r in rows:
+            m = means.setdefault((r["process"], r["thread"]), blank(r["process"], r["thread"]))
+            _add(m, r, 1 / len(runs))
+            m["threads"] = max(m["threads"], r["threads"])
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for (process, thread), m in means.items():
+        if m["cpu_s"] >= min_cpu_s:
+            out[(process, thread)] = m
+            continue
+        o = out.setdefault((process, "(others)"), blank(process, "(others)"))
+        _add(o, m, 1.0)
+        o["threads"] += m["threads"]
+    return sorted(({**o, "cores": sorted(o["cores"])} for o in out.values()), key=lambda o: -o["cpu_s"])
