@@ -33,8 +33,9 @@ same prompts in the same order for every configuration). The figures come from t
 ``/metrics`` gives where the prompt tokens came from (computed, vLLM's prefix cache, the connector).
 Output: a table per mode with the mean over rounds, each configuration's noise band (the spread of its
 rounds, (max - min) / mean), and the ratio to ``none`` (mean over mean, and the range of the per-round
-ratios); from 3 rounds on, also the geometric mean of the per-round ratios (each round's two runs are
-neighbours) with its 95 % percentile-bootstrap interval: the figure to hold against a margin such as "within
+ratios), and to ``null`` too when it ran (a connector's cost beyond vLLM's own); from 3 rounds on, also the
+geometric mean of the per-round ratios (each round's two runs are neighbours) with its 95 %
+percentile-bootstrap interval: the figure to hold against a margin such as "within
 5 %". A difference inside the noise bands is not a result. ``--hook-times`` also times the kvtier
 connector's hooks inside vLLM (``KVTIER_HOOK_TIMES``, connector/vllm/hook_times.py) and adds them to the table:
 calls and totals of the client's requests (the warm-up's subtracted), p99 over all calls; the wrappers cost a
@@ -72,6 +73,8 @@ import thread_cpu  # noqa: E402
 REPO = harness.REPO
 CONFIGS = ("none", "null", "kvtier", "lmcache")
 DEFAULT_CONFIGS = ("none", "kvtier", "lmcache")
+# ratios to each of these that ran; to null: a connector's cost beyond vLLM's own
+BASELINES = ("none", "null")
 NULL_CONNECTOR = {  # null_connector.py: vLLM's own cost of a configured connector
     "kv_connector": "NullConnector",
     "kv_connector_module_path": "null_connector",
@@ -304,7 +307,8 @@ def ratio_interval(ratios: list[float], resamples: int = 10_000) -> tuple[float,
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per mode and configuration: each metric's per-round values, mean and band; ratios to `none`."""
+    """Per mode and configuration: each metric's per-round values, mean and band; ratios to `none` and, when it
+    ran, to `null` (`ratio_to_none`, `ratio_to_null`)."""
     out: dict[str, Any] = {}
     for mode in MODES:
         by_cfg: dict[str, list[dict[str, Any]]] = {}
@@ -344,16 +348,18 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             if threads:
                 s["threads"] = thread_cpu.mean_rows(threads)
             ms[cfg] = s
-        if "none" in ms:
-            base = ms["none"]
+        for base_cfg in BASELINES:
+            if base_cfg not in ms:
+                continue
+            base = ms[base_cfg]
             for s in ms.values():
-                s["ratio_to_none"] = {}
+                s[f"ratio_to_{base_cfg}"] = {}
                 for key, _, _ in METRICS:
                     per_round = [
                         a / b for a, b in zip(s[key]["per_round"], base[key]["per_round"], strict=False) if b
                     ]
                     gm, lo, hi = ratio_interval(per_round)
-                    s["ratio_to_none"][key] = {
+                    s[f"ratio_to_{base_cfg}"][key] = {
                         "ratio": s[key]["mean"] / base[key]["mean"] if base[key]["mean"] else math.nan,
                         "per_round_min": min(per_round, default=math.nan),
                         "per_round_max": max(per_round, default=math.nan),
@@ -388,20 +394,23 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
         for key, label, _ in METRICS:
             cells = [f"{ms[c][key]['mean']:.2f} ({band_txt(ms[c], key)})" for c in cfgs]
             lines.append(f"{label:{lw}s}" + "".join(f"{x:>{w}s}" for x in cells))
-        if "none" in ms:
-            lines.append("ratio to none (per-round range)")
+        for base_cfg in BASELINES:
+            if base_cfg not in ms:
+                continue
+            rk = f"ratio_to_{base_cfg}"
+            lines.append(f"ratio to {base_cfg} (per-round range)")
             for key, label, _ in METRICS:
                 cells = []
                 for c in cfgs:
-                    r = ms[c]["ratio_to_none"][key]
+                    r = ms[c][rk][key]
                     cells.append(f"{r['ratio']:.2f}x ({r['per_round_min']:.2f}-{r['per_round_max']:.2f})")
                 lines.append(f"  {label:{lw - 2}s}" + "".join(f"{x:>{w}s}" for x in cells))
             if min(ms[c]["rounds"] for c in cfgs) >= 3:
-                lines.append("geomean of per-round ratios [95 % bootstrap interval]")
+                lines.append(f"geomean of per-round ratios to {base_cfg} [95 % bootstrap interval]")
                 for key, label, _ in METRICS:
                     cells = []
                     for c in cfgs:
-                        r = ms[c]["ratio_to_none"][key]
+                        r = ms[c][rk][key]
                         lo, hi = r["interval_95"]
                         cells.append(f"{r['per_round_geomean']:.3f}x [{lo:.3f}-{hi:.3f}]")
                     lines.append(f"  {label:{lw - 2}s}" + "".join(f"{x:>{w}s}" for x in cells))
