@@ -35,8 +35,8 @@ Output: a table per mode with the mean over rounds, each configuration's noise b
 rounds, (max - min) / mean), and the ratio to ``none`` (mean over mean, and the range of the per-round
 ratios), and to ``null`` too when it ran (a connector's cost beyond vLLM's own); from 3 rounds on, also the
 geometric mean of the per-round ratios (each round's two runs are neighbours) with its 95 %
-percentile-bootstrap interval: the figure to hold against a margin such as "within
-5 %". A difference inside the noise bands is not a result. ``--hook-times`` also times the kvtier
+percentile-bootstrap interval: the figure to hold against a margin such as "within 5 %". A difference inside
+the noise bands is not a result. ``--hook-times`` also times the kvtier
 connector's hooks inside vLLM (``KVTIER_HOOK_TIMES``, connector/vllm/hook_times.py) and adds them to the table:
 calls and totals of the client's requests (the warm-up's subtracted), p99 over all calls; the wrappers cost a
 little, so leave it off for the figures that compare configurations. ``--thread-cpu`` adds, per
@@ -249,8 +249,7 @@ def run_once(
                 for ln in text.splitlines()
                 if re.search(r"Overriding num_gpu_blocks|KV cache size", ln)
             ][:3]
-            for k, n in enumerate((500, 2000, 1000, 3000)):  # the first requests after start are 2-3x slower
-                harness.complete_stream(v.port, harness.prompt_ids(n, seed=91000 + k), 4, timeout=120)
+            harness.warm_up(v.port)
             harness.reset_prefix_cache(v.port)
             time.sleep(1.5)  # hook_times.py rewrites its files once a second
             before = vllm_counters(v.port)

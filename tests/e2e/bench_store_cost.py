@@ -62,8 +62,7 @@ def run(options: dict[str, str], requests: int, out_dir: Path, py: Path, model: 
             name="vllm-store-cost",
         )
         try:
-            for k, n in enumerate((500, 2000, 1000, 3000)):  # the first requests after start are slower
-                harness.complete_stream(v.port, harness.prompt_ids(n, seed=91000 + k), 4, timeout=120)
+            harness.warm_up(v.port)
             prefixes = [harness.prompt_ids(PREFIX_LEN, seed=7000 + i) for i in range(PREFIXES)]
             for i, prefix in enumerate(prefixes):
                 harness.complete_stream(

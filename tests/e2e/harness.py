@@ -633,6 +633,13 @@ def prompt_ids(n: int, seed: int = 0, vocab: int = 4096, low: int = 10) -> list[
     return [rng.randrange(low, vocab) for _ in range(n)]
 
 
+def warm_up(port: int) -> None:
+    """Four unrelated streamed requests (500-3,000 tokens): a fresh vLLM's first requests are 2-3x slower, so
+    benches send these before they measure."""
+    for k, n in enumerate((500, 2000, 1000, 3000)):
+        complete_stream(port, prompt_ids(n, seed=91000 + k), 4, timeout=120)
+
+
 if __name__ == "__main__":  # tiny CLI for manual use: python tests/e2e/harness.py env|model
     what = sys.argv[1] if len(sys.argv) > 1 else "env"
     py = vllm_python()
