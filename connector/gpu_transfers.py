@@ -76,8 +76,12 @@ class Operation:
 
 class GpuTransfers:
     def __init__(self, client: KVTierClient, memory: p.GpuMemory, events: EventSource, start_s: float = START_S,
-                 register_timeout_s: float = REGISTER_TIMEOUT_S) -> None:
+                 register_timeout_s: float = REGISTER_TIMEOUT_S, fallback: str = "") -> None:
+        """`fallback`: what the worker does instead when the server refuses the registration (a CPU worker
+        copies by itself); with one, a refusal is final and the keeper stops. Without, the keeper retries
+        (a GPU worker has no other way: its loads and stores are misses meanwhile)."""
         self.client = client
+        self.fallback = fallback
         self.memory = memory
         self.events = events
         self.start_s = start_s
@@ -111,15 +115,20 @@ class GpuTransfers:
                                         timeout_s=self.register_timeout_s)
         except KVTierError as exc:
             self.unavailable = exc.reason or exc.code
-            log.warning("kvtier: the server cannot copy for this GPU (%s): loads and stores are misses", exc)
+            if self.fallback:
+                log.warning("kvtier: the server does not copy for this %s worker (%s): %s", self.memory.engine, exc,
+                            self.fallback)
+                self._stop.set()
+            else:
+                log.warning("kvtier: the server cannot copy for this GPU (%s): loads and stores are misses", exc)
             return False
         if reply is None:
             return False
         self._reg, self._hellos, self.unavailable = reply["reg"], self.client.hellos, ""
         self.copy_timeout_s = float(reply["copy_timeout_s"])
         m = self.memory
-        log.info("kvtier: GPU %s registered (%s, %d layers x %d blocks of %d bytes)", m.device, m.layout,
-                 m.num_layers, m.num_blocks, m.page_bytes)
+        log.info("kvtier: %s memory %s registered (%s, %d layers x %d blocks of %d bytes)", m.engine, m.device,
+                 m.layout, m.num_layers, m.num_blocks, m.page_bytes)
         return True
 
     def _register_again(self, failed: int) -> bool:

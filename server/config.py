@@ -125,6 +125,9 @@ class ServerConfig:
     gpu_watchdog_s: float = _opt(5.0, "GPU engines: seconds without a copier heartbeat before it is restarted")
     gpu_max_copiers: int = _opt(8, "GPU engines: copier processes (one per GPU in use) running or starting at "
                                    "once; a registration naming one GPU more is refused as no_copier")
+    host_copies: bool = _opt(True, "CPU engines: accept their workers' registrations so that the server copies "
+                                   "a store's blocks out of the worker's memory (process_vm_readv; same user, "
+                                   "same PID namespace); off: every CPU worker copies by itself")
     gpu_fake_engine: bool = _opt(False, "accept registrations of the CPU stand-in GPU engine (tests only: it "
                                         "copies from a shared-memory file the client names)")
 

@@ -116,7 +116,7 @@ class Daemon:
             config.gpu_pin_piece_mb << 20, config.gpu_watchdog_s, config.gpu_op_timeout_s,
             max_copiers=config.gpu_max_copiers), self._copier_changed),
             self.gpu_metrics, self.segment.size, copy_timeout_s=config.gpu_op_timeout_s,
-            allow_fake=config.gpu_fake_engine)
+            allow_fake=config.gpu_fake_engine, allow_host=config.host_copies)
         segment_info = {"shm_name": self.segment.name, "shm_dir": config.shm_dir, "shm_size": self.segment.size,
                         "page_size": config.page_size}
         if self.presence is not None:  # only when authoritative: a client trusts its "not held"

@@ -42,7 +42,7 @@ class Registration:
 
 class GpuOps:
     def __init__(self, cache: Cache, engine: CopyEngine, metrics: GpuMetrics, segment_size: int, *,
-                 copy_timeout_s: float, allow_fake: bool = False) -> None:
+                 copy_timeout_s: float, allow_fake: bool = False, allow_host: bool = True) -> None:
         self.cache = cache
         self.holds = cache.holds
         self.engine = engine
@@ -51,6 +51,7 @@ class GpuOps:
         self.segment_size = segment_size
         self.copy_timeout_s = copy_timeout_s  # the copiers' bound on one operation, once started
         self.allow_fake = allow_fake
+        self.allow_host = allow_host
         self.registrations: dict[int, Registration] = {}
         self.holds.on_client_gone.append(self.client_gone)
 
@@ -62,6 +63,9 @@ class GpuOps:
         if memory.engine == "fake" and not self.allow_fake:
             raise p.ProtocolError(p.BAD_REQUEST, "this server does not accept the CPU stand-in engine "
                                   "(--gpu-fake-engine is for tests)")
+        if memory.engine == "host" and not self.allow_host:
+            raise p.ProtocolError(p.BAD_REQUEST, "this server does not copy for CPU engines (--no-host-copies): "
+                                  "the worker copies by itself")
         try:
             rid = await self.engine.register(memory)
         except GpuUnavailable as exc:

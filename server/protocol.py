@@ -7,6 +7,7 @@ Validation lives here so that the server and the client agree on the contract in
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any
@@ -59,8 +60,7 @@ GPU_UNAVAILABLE = "gpu_unavailable"  # with a `reason` field: one of GPU_REASONS
 UNKNOWN_REGISTRATION = "unknown_registration"  # a GPU registration id this server does not hold (restart)
 INTERNAL = "internal"
 
-# Reasons of a `gpu_unavailable` reply (docs/vllm.md, troubleshooting): a GPU operation answered with one
-# of these is a miss, never a pageable copy or wrong bytes.
+# Reasons of a `gpu_unavailable` reply (docs/vllm.md): a GPU operation answered so is a miss, never wrong bytes.
 NO_COPIER = "no_copier"  # the copy engine cannot run on this server (cupy absent, or the copier will not start)
 NO_DEVICE = "no_device"  # the server sees no GPU with the registered UUID (CUDA_VISIBLE_DEVICES, containers)
 IPC_REFUSED = "ipc_refused"  # the driver refused to open the memory or event handles (PID namespaces, MIG)
@@ -312,7 +312,7 @@ class GpuMemory:
     on both sides where the engine's memory allows it.
     """
 
-    engine: str  # "cuda" or "fake" (the CPU stand-in, server/transfer/fake.py)
+    engine: str  # "cuda", "host" (a CPU worker's memory, server/transfer/host.py) or "fake" (the CPU stand-in)
     device: str  # the GPU's UUID ("GPU-..."), or the fake device's name
     handle: bytes  # cudaIpcMemHandle_t of the allocation (64 bytes), or the fake device's shm name
     alloc_size: int
@@ -326,8 +326,9 @@ class GpuMemory:
     events: tuple[bytes, ...]  # interprocess event handles (64 bytes each for cuda)
     pid: int
 
-    ENGINES = ("cuda", "fake")
+    ENGINES = ("cuda", "fake", "host")
     LAYOUTS = ("LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+    HOST = struct.Struct("<QQ16s")  # a "host" handle: base address, token address, token (transfer/host.py)
 
     @property
     def block_major(self) -> bool:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from kvtier.connector.gpu_transfers import EventSource, GpuTransfers
+from kvtier.connector.host_memory import HostMemory
 from kvtier.connector.kv_blocks import PagedKV
 from kvtier.connector.results import ReadChunk
 from kvtier.connector.verify import Difference
@@ -56,6 +57,7 @@ class WorkerSide(ConnectorSide):
         self._in_flight = InFlight() if self.async_stores else None
         self._gpu: GpuTransfers | None = None
         self._events: Any = None  # the GPU worker's CudaEvents
+        self._host: GpuTransfers | None = None  # a CPU worker's stores, copied by the server (server_stores)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if any(t.device.type == "cuda" for t in kv_caches.values()):
@@ -74,6 +76,10 @@ class WorkerSide(ConnectorSide):
         self._kv_dtype = str(next(iter(kv_caches.values())).dtype).removeprefix("torch.")
         log.info("kvtier connector: %d layers x %d blocks of %d bytes", len(layers), self._kv.num_blocks,
                  self._kv.block_bytes)
+        if self.options.server_stores:
+            host = HostMemory(layers)
+            self._host = GpuTransfers(self.client, host.memory, host, fallback="this worker copies its stores")
+            self._host.start()
 
     def _register_gpu(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Export vLLM's KV allocation and events once and register them; the server's copier moves the
@@ -200,6 +206,8 @@ class WorkerSide(ConnectorSide):
         if self._kv is None:
             return
         for spec in meta.saves:
+            if self._server_store(spec):
+                continue
             if self._in_flight is not None:
                 self._in_flight.store(spec.req_id, lambda spec=spec: self._store(spec))
                 continue
@@ -207,6 +215,27 @@ class WorkerSide(ConnectorSide):
                 self._store(spec)
             except Exception:  # a failed store is only a future miss
                 log.exception("kvtier store failed for request %s", spec.req_id)
+
+    def _server_store(self, spec: SaveSpec) -> bool:
+        """Send `spec` for the server to copy out of this worker's memory (server_stores); False when the worker
+        must copy it itself: not registered (yet, or refused), a store that verifies, or a failure to send."""
+        host = self._host
+        if host is None or spec.verify_blocks or not host.registered:
+            return False
+        try:
+            op = host.store(spec.req_id, self.namespace(spec.salt), spec.token_ids, spec.block_ids,
+                            spec.skip_chunks, spec.identity, spec.hint)
+        except Exception:
+            log.exception("kvtier: server-side store of request %s could not be sent; the worker copies it",
+                          spec.req_id)
+            return False
+        if op is None:
+            return False
+        if self._in_flight is not None:
+            self._in_flight.store(spec.req_id, partial(host.wait, op))
+        else:
+            host.wait(op)
+        return True
 
     def _store(self, spec: SaveSpec) -> None:
         assert self._kv is not None
@@ -283,8 +312,9 @@ class WorkerSide(ConnectorSide):
     def shutdown(self) -> None:
         if self._in_flight is not None:
             self._in_flight.close()
-        if self._gpu is not None:
-            self._gpu.close()
+        for transfers in (self._gpu, self._host):
+            if transfers is not None:
+                transfers.close()
         super().shutdown()  # its bye closes the server's GPU registrations
         if self._events is not None:
             self._events.close()

@@ -117,6 +117,10 @@ def make_backend(args: CopierArgs) -> DeviceBackend:
             from kvtier.server.transfer.fake import FakeBackend
 
             return FakeBackend(args.device, os.path.dirname(args.segment))
+        if args.engine == "host":
+            from kvtier.server.transfer.host import HostBackend
+
+            return HostBackend()
     except GpuUnavailable:
         raise
     except Exception as exc:

@@ -3,7 +3,8 @@
 Not a pytest module (no ``test_`` prefix). Run from the project venv::
 
     .venv/bin/python tests/e2e/bench_serve.py [--quick] [--modes saturation,rate,fits]
-        [--configs none,kvtier,lmcache|null] [--rounds 2] [--hook-times] [--thread-cpu]
+        [--configs none,kvtier,lmcache|null] [--rounds 2] [--kvtier-options KEY=VALUE,...] [--hook-times]
+        [--thread-cpu]
         [--json [PATH]]
 
 Workload: ``vllm bench serve --dataset-name prefix_repetition`` (text prompts built by the client from the
@@ -21,7 +22,7 @@ greedy), on one CPU vLLM 0.32 (``--enforce-eager``, one worker core in every con
 
 Configurations (a fresh vLLM, and a fresh ``kvtier server --l1-size-gb 1`` or ``lmcache server
 --l1-size-gb 1``, for each run; both stopped after it): ``none`` (no kv-transfer-config), ``kvtier`` (the
-kv-transfer-config of docs/quickstart.md, ``harness.kvtier_connector_config``), ``lmcache``
+kv-transfer-config of docs/quickstart.md, ``harness.kvtier_connector_config``, with ``--kvtier-options``), ``lmcache``
 (``LMCacheMPConnector``, ``scripts/lmcache_env.sh``'s separate venv), and, only when named, ``null``
 (null_connector.py, a connector that does nothing: vLLM's own cost of having one, to split a connector's cost).
 Per mode they run interleaved ``--rounds`` times, in the listed order in odd rounds and the reverse in even
@@ -201,7 +202,7 @@ def run_once(
         if config == "kvtier":
             kp, kh = harness.free_port(), harness.free_port()
             daemon = harness.start_kvtier(kp, kh, args.l1_gb, python=vllm_py, logdir=logdir, timeout=120)
-            kvc, py = harness.kvtier_connector_config(kp), vllm_py
+            kvc, py = harness.kvtier_connector_config(kp, **harness.options_of(args.kvtier_options)), vllm_py
             if args.hook_times:
                 shutil.rmtree(hook_dir, ignore_errors=True)
                 env_extra["KVTIER_HOOK_TIMES"] = str(hook_dir)
@@ -464,6 +465,7 @@ def main() -> int:
     ap.add_argument("--suffix-len", type=int, default=100)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--l1-gb", type=float, default=1.0, help="kvtier's and LMCache's L1")
+    ap.add_argument("--kvtier-options", default="", help="KEY=VALUE,... connector options of the kvtier runs")
     ap.add_argument("--seed", type=int, default=0, help="the client's dataset seed (same for every run)")
     ap.add_argument(
         "--hook-times", action="store_true", help="time the kvtier connector's hooks (KVTIER_HOOK_TIMES)"

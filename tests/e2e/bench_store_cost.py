@@ -38,10 +38,6 @@ NO_STORE = {"kv_transfer_params": {"kvtier": {"store": False}}}
 PREFIXES, PREFIX_LEN, SUFFIX_LEN, OUTPUT = 32, 2000, 100, 32
 
 
-def options_of(text: str) -> dict[str, str]:
-    return dict(pair.split("=", 1) for pair in text.split(",") if pair)
-
-
 def entries(admin_port: int) -> int:
     return int(harness.kvtier_status(admin_port)["l1"]["entries"])
 
@@ -111,7 +107,7 @@ def main() -> int:
     args = ap.parse_args()
     out_dir, py, model = harness.prepare_bench(args.out)
     configs = ["default"] + (["alternate"] if args.alternate else [])
-    options = {"default": {}, "alternate": options_of(args.alternate)}
+    options = {"default": {}, "alternate": harness.options_of(args.alternate)}
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in configs}
     for r in range(args.runs):
         for c in configs if r % 2 == 0 else configs[::-1]:

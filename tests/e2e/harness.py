@@ -121,6 +121,11 @@ def default_vllm_python() -> Path:
 # --------------------------------------------------------------------------- processes
 
 
+def options_of(text: str) -> dict[str, str]:
+    """A benchmark's ``KEY=VALUE,...`` connector options (``kvtier.KEY``)."""
+    return dict(pair.split("=", 1) for pair in text.split(",") if pair)
+
+
 def kvtier_connector_config(port: int, **options: object) -> dict:
     """vLLM's --kv-transfer-config for the kvtier connector; `options` become `kvtier.<name>` keys.
 

@@ -19,6 +19,11 @@ test's data. At most two vLLMs run at once (A plus one more).
 * check 6 ``test_other_dtype_or_model_never_hits``: a vLLM with another dtype (float16) or another
   model directory on the same server never gets a hit from A's entries, while A still hits.
 
+The module's vLLMs store through the server (``kvtier.server_stores``: the daemon's copier reads each store's
+blocks out of the worker, server/transfer/host.py), so every check here also proves that those stores are the
+bytes vLLM loads back; check 1 asserts that the copier did the stores. The other e2e modules cover the default
+(the worker copies its stores itself).
+
 Output references are like for like: a reload of n tokens is compared with vLLM's own prefix-cache hit
 of the same n tokens (same split between cached and computed tokens), which must be bit-identical if
 the loaded KV is right. A cold (full) prefill is not always a valid reference: for some prompts vLLM
@@ -123,7 +128,8 @@ class Cluster:
     def start_vllm(self, model: Path | None = None, extra_args: tuple[str, ...] = (), name: str = "vllm"
                    ) -> harness.Proc:
         port = harness.free_port()
-        return harness.start_vllm(model or self.model, port, harness.kvtier_connector_config(self.kv_port, retry_backoff_s=RETRY_BACKOFF_S), python=self.python,
+        return harness.start_vllm(model or self.model, port, harness.kvtier_connector_config(
+            self.kv_port, retry_backoff_s=RETRY_BACKOFF_S, server_stores=True), python=self.python,
                                   logdir=self.logdir, extra_args=extra_args, name=f"{name}-{port}")
 
     def start_a(self) -> harness.Proc:
@@ -184,6 +190,9 @@ def test_reload_after_prefix_cache_reset(cluster):
     prompt = harness.prompt_ids(PROMPT_LEN, seed=7)
     cold, cached = serve_cold_and_cached(c.a.port, prompt)
     hits_before = c.kv_hits()
+    copied = harness.metric(harness.parse_metrics(harness.metrics_text(c.kv_http)), "kvtier_gpu_copied_bytes_total",
+                            direction="store")
+    assert copied > 0, "the server's copier stored nothing: the worker copied by itself"
     again = serve(c.a.port, prompt, reset=True)
     assert again.external >= FULL_RELOAD, (again, c.a.log_tail())
     assert again.local_hit == 0, again
