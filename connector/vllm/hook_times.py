@@ -4,11 +4,12 @@ Set ``KVTIER_HOOK_TIMES=DIR`` in vLLM's environment: each connector (the schedul
 per process role) then times its hooks -- the scheduler's ``get_num_new_matched_tokens`` and
 ``build_connector_meta``, the worker's ``start_load_kv`` and ``wait_for_save`` -- and writes a summary to
 ``DIR/hook-times-<role>-<pid>-<n>.json``: per hook the number of calls, the total, mean, p50, p99 and max in
-milliseconds. A daemon thread rewrites the file once a second while new calls come in; the connector's
+milliseconds, and the calling thread's CPU time in them (total and mean: wall time well above it is time the
+thread waited for its core or a lock). A daemon thread rewrites the file once a second while new calls come in; the connector's
 shutdown and interpreter exit write it once more, so a stopped vLLM leaves its final figures.
 
 With the variable unset nothing is wrapped: :func:`install` returns at once and the connector's methods are
-the class's own. Timing adds two ``perf_counter_ns`` calls, a lock and a list append per hook call. The benchmark that reads
+the class's own. Timing adds two ``perf_counter_ns`` and two ``thread_time_ns`` calls, a lock and a list append per hook call. The benchmark that reads
 these files is tests/e2e/bench_serve.py.
 """
 
@@ -50,10 +51,11 @@ class HookTimes:
         self.samples: dict[str, list[float]] = {}
         self.count: dict[str, int] = {}
         self.total_ms: dict[str, float] = {}
+        self.cpu_ms: dict[str, float] = {}
         self._lock = threading.Lock()
         self._dirty = False
 
-    def add(self, hook: str, ns: int) -> None:
+    def add(self, hook: str, ns: int, cpu_ns: int = 0) -> None:
         ms = ns / 1e6
         with self._lock:
             xs = self.samples.setdefault(hook, [])
@@ -61,6 +63,7 @@ class HookTimes:
                 xs.append(ms)
             self.count[hook] = self.count.get(hook, 0) + 1
             self.total_ms[hook] = self.total_ms.get(hook, 0.0) + ms
+            self.cpu_ms[hook] = self.cpu_ms.get(hook, 0.0) + cpu_ns / 1e6
             self._dirty = True
 
     def _writer(self) -> None:
@@ -80,6 +83,8 @@ class HookTimes:
                     "calls": n,
                     "total_ms": self.total_ms[hook],
                     "mean_ms": self.total_ms[hook] / n,
+                    "cpu_ms": self.cpu_ms[hook],
+                    "cpu_mean_ms": self.cpu_ms[hook] / n,
                     "p50_ms": _pct(s, 50),
                     "p99_ms": _pct(s, 99),
                     "max_ms": s[-1] if s else float("nan"),
@@ -96,14 +101,14 @@ class HookTimes:
 
 
 def _timed(fn: Callable[..., Any], rec: HookTimes, hook: str) -> Callable[..., Any]:
-    clock = time.perf_counter_ns
+    clock, cpu = time.perf_counter_ns, time.thread_time_ns
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = clock()
+        t0, c0 = clock(), cpu()
         try:
             return fn(*args, **kwargs)
         finally:
-            rec.add(hook, clock() - t0)
+            rec.add(hook, clock() - t0, cpu() - c0)
 
     wrapper.__name__ = getattr(fn, "__name__", hook)
     wrapper.__doc__ = getattr(fn, "__doc__", None)

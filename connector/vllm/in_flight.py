@@ -11,17 +11,24 @@ vLLM's rules for asynchronous transfers (docs/dev/vllm-connector-notes.md §6):
 - a preempted request's blocks are freed at once: its store must be done before the step's forward pass
   writes into them (`wait_for_stores`).
 
+A store handed over with `defer` starts only once the worker begins its next step (`step_started`), or after
+DEFER_MAX_S: the step that completed the prompt still samples that request's first token, and a store thread
+running meanwhile takes the worker's core and GIL from it (docs/performance.md, "deferred stores").
+
 Torch- and vLLM-free, so that it is unit-tested on its own.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 log = logging.getLogger("kvtier.connector")
+
+DEFER_MAX_S = 0.05  # a deferred store starts by then even when no next step comes (an idle engine)
 
 
 @dataclass
@@ -48,22 +55,31 @@ class InFlight:
         self._held: set[str] = set()  # the scheduler holds these requests' blocks until we report the store
         self._finished: set[str] = set()  # finished requests with a store still in flight
         self._told: set[str] = set()  # requests whose finished store `stored` has reported
+        self._next_step = threading.Event()  # set when the worker's next step begins (deferred stores wait)
 
     def load(self, req_id: str, block_ids: list[int], job: Callable[[], set[int]]) -> None:
         if req_id in self._loads:  # vLLM never plans two loads of one request at once
             raise ValueError(f"a load of request {req_id} is in flight already")
         self._loads[req_id] = (self._loader.submit(job), block_ids)
 
-    def store(self, req_id: str, job: Callable[[], object]) -> None:
+    def store(self, req_id: str, job: Callable[[], object], defer: bool = False) -> None:
+        """Run `job` on the store thread; with `defer`, not before the worker's next step begins."""
         previous = self._stores.get(req_id)
         if previous is not None:
             previous.result()  # one store per request at a time: a second waits for the first
         self._told.discard(req_id)
-        self._stores[req_id] = self._storer.submit(self._logged(req_id, job))
+        self._stores[req_id] = self._storer.submit(self._logged(req_id, job, self._next_step if defer else None))
+
+    def step_started(self) -> None:
+        """The worker begins a step: the previous step (and its sampling) is over; deferred stores may run."""
+        self._next_step.set()
+        self._next_step = threading.Event()
 
     @staticmethod
-    def _logged(req_id: str, job: Callable[[], object]) -> Callable[[], None]:
+    def _logged(req_id: str, job: Callable[[], object], after: threading.Event | None) -> Callable[[], None]:
         def run() -> None:
+            if after is not None:
+                after.wait(DEFER_MAX_S)
             try:
                 job()
             except Exception:  # a failed store is only a future miss
@@ -118,5 +134,6 @@ class InFlight:
 
     def close(self) -> None:
         """Wait for what is in flight (a store reads engine memory vLLM is about to free), then stop."""
+        self._next_step.set()
         self._loader.shutdown(wait=True)
         self._storer.shutdown(wait=True)

@@ -42,6 +42,7 @@ class ConnectorOptions:
     kv_layout: str = ""  # GPU: the KV layout asked of vLLM (e.g. BLNHC, block-major); "" = vLLM's choice
     async_transfers: bool = False  # loads in the background too (WAITING_FOR_REMOTE_KVS)
     async_stores: bool = True  # stores on a worker thread, off the engine's step (a finished request's blocks held)
+    defer_stores: bool = True  # an asynchronous store starts when the next step begins (after the sampling)
     server_stores: bool = False  # CPU engines: the server copies a store's blocks out of the worker (docs/vllm.md)
     model_id: str = ""  # names the weights instead of fingerprinting their files (docs/vllm.md, the key)
     verify_fraction: float = 0.0  # sampled hits recomputed and compared with what kvtier holds (0 = off)

@@ -39,8 +39,8 @@ geometric mean of the per-round ratios (each round's two runs are neighbours) wi
 percentile-bootstrap interval: the figure to hold against a margin such as "within 5 %". A difference inside
 the noise bands is not a result. ``--hook-times`` also times the kvtier
 connector's hooks inside vLLM (``KVTIER_HOOK_TIMES``, connector/vllm/hook_times.py) and adds them to the table:
-calls and totals of the client's requests (the warm-up's subtracted), p99 over all calls; the wrappers cost a
-little, so leave it off for the figures that compare configurations. ``--thread-cpu`` adds, per
+calls, totals and the hooks' own CPU time of the client's requests (the warm-up's subtracted), p99 over all
+calls; the wrappers cost a little, so leave it off for the figures that compare configurations. ``--thread-cpu`` adds, per
 configuration, the CPU seconds and involuntary context switches of each thread of vLLM and the daemon during
 the client's run (thread_cpu.py): where the cores went.
 
@@ -161,8 +161,8 @@ def run_client(cmd: list[str], log: Path, result: Path, timeout: float) -> dict[
 
 
 def load_hook_times(directory: Path) -> dict[str, dict[str, Any]]:
-    """Merge connector/vllm/hook_times.py's files: per hook the calls and total over every process, the mean,
-    and the largest p50 / p99 / max of any one process (percentiles do not merge)."""
+    """Merge connector/vllm/hook_times.py's files: per hook the calls, the total and its CPU time over every
+    process, the means, and the largest p50 / p99 / max of any one process (percentiles do not merge)."""
     merged: dict[str, dict[str, Any]] = {}
     for f in sorted(directory.glob("hook-times-*.json")):
         try:
@@ -171,15 +171,22 @@ def load_hook_times(directory: Path) -> dict[str, dict[str, Any]]:
             continue
         for hook, h in data.get("hooks", {}).items():
             m = merged.setdefault(
-                hook, {"calls": 0, "total_ms": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+                hook,
+                {"calls": 0, "total_ms": 0.0, "cpu_ms": 0.0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0},
             )
             m["calls"] += h["calls"]
             m["total_ms"] += h["total_ms"]
+            m["cpu_ms"] += h.get("cpu_ms", 0.0)
             for k in ("p50_ms", "p99_ms", "max_ms"):
                 m[k] = max(m[k], h[k])
     for m in merged.values():
-        m["mean_ms"] = m["total_ms"] / m["calls"] if m["calls"] else float("nan")
+        _means(m)
     return merged
+
+
+def _means(m: dict[str, Any]) -> None:
+    m["mean_ms"] = m["total_ms"] / m["calls"] if m["calls"] else float("nan")
+    m["cpu_mean_ms"] = m["cpu_ms"] / m["calls"] if m["calls"] else float("nan")
 
 
 def run_once(
@@ -275,10 +282,10 @@ def run_once(
         if "KVTIER_HOOK_TIMES" in env_extra:  # the client's requests' calls and totals; percentiles: all
             res["hooks"] = hooks = load_hook_times(hook_dir)
             for h, x in hooks.items():
-                b = hooks_before.get(h, {"calls": 0, "total_ms": 0.0})
-                x["calls"] -= b["calls"]
-                x["total_ms"] -= b["total_ms"]
-                x["mean_ms"] = x["total_ms"] / x["calls"] if x["calls"] else float("nan")
+                b = hooks_before.get(h, {"calls": 0, "total_ms": 0.0, "cpu_ms": 0.0})
+                for k in ("calls", "total_ms", "cpu_ms"):
+                    x[k] -= b[k]
+                _means(x)
         return res
     finally:
         if daemon is not None:
@@ -338,6 +345,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     h: {
                         "calls_per_round": statistics.fmean(x[h]["calls"] for x in hooks if h in x),
                         "mean_ms": statistics.fmean(x[h]["mean_ms"] for x in hooks if h in x),
+                        "cpu_mean_ms": statistics.fmean(x[h]["cpu_mean_ms"] for x in hooks if h in x),
                         "p99_ms": max(x[h]["p99_ms"] for x in hooks if h in x),
                         "total_ms_per_round": statistics.fmean(x[h]["total_ms"] for x in hooks if h in x),
                     }
@@ -440,8 +448,8 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
                 )
             for h, x in ms[c].get("hooks", {}).items():
                 lines.append(
-                    f"  {c} hook {h}: {x['calls_per_round']:.0f} calls/round, mean {x['mean_ms']:.3f} ms, "
-                    f"p99 {x['p99_ms']:.3f} ms (warm-up included), {x['total_ms_per_round']:.0f} ms/round"
+                    f"  {c} hook {h}: {x['calls_per_round']:.0f} calls/round, mean {x['mean_ms']:.3f} ms "
+                    f"(CPU {x['cpu_mean_ms']:.3f} ms), p99 {x['p99_ms']:.3f} ms (warm-up included), {x['total_ms_per_round']:.0f} ms/round"
                 )
     return "\n".join(lines)
 

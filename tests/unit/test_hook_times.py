@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,31 @@ def test_set_times_each_hook_and_writes_a_summary(hook_times, monkeypatch, tmp_p
     h = sched["get_num_new_matched_tokens"]
     assert 0 <= h["p50_ms"] <= h["p99_ms"] <= h["max_ms"]
     assert h["mean_ms"] == pytest.approx(h["total_ms"] / 3)
+
+
+class SleepyScheduler(FakeScheduler):
+    """One hook that waits (no CPU), one that computes (CPU about equal to its wall time)."""
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        time.sleep(0.05)
+        return 0, False
+
+    def build_connector_meta(self, scheduler_output):
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+        return {}
+
+
+def test_the_summary_splits_cpu_time_from_waiting(hook_times, monkeypatch, tmp_path):
+    monkeypatch.setenv(hook_times.ENV, str(tmp_path / "hooks"))
+    s = SleepyScheduler()
+    rec = hook_times.install(s, "scheduler")
+    s.get_num_new_matched_tokens("r", 0)
+    s.build_connector_meta("x")
+    rec.write()
+    hooks = json.loads(rec.path.read_text())["hooks"]
+    waited, computed = hooks["get_num_new_matched_tokens"], hooks["build_connector_meta"]
+    assert waited["mean_ms"] >= 50 and waited["cpu_mean_ms"] < 25
+    assert computed["mean_ms"] >= 50 and computed["cpu_mean_ms"] > 10  # a busy machine may take some of it
+    assert computed["cpu_ms"] == pytest.approx(computed["cpu_mean_ms"])

@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("vllm")
 
+from kvtier.connector.vllm import in_flight  # noqa: E402
 from kvtier.connector.vllm.in_flight import InFlight  # noqa: E402
 
 pytestmark = pytest.mark.unit
@@ -143,3 +144,35 @@ def test_wait_for_stores_blocks_until_the_store_is_done(flight):
     assert flight.wait_for_stores(["r1", "r-unknown"]) == 1
     assert copied == [True]  # the blocks were read before the caller went on
     assert flight.wait_for_stores(["r1"]) == 0
+
+
+def test_a_deferred_store_starts_only_when_the_next_step_begins(flight, monkeypatch):
+    monkeypatch.setattr(in_flight, "DEFER_MAX_S", 30.0)  # no fallback start within the test
+    started = threading.Event()
+    flight.store("r1", started.set, defer=True)
+    flight.store("r2", lambda: None)  # not deferred, but queued behind r1 on the one store thread
+    assert not started.wait(0.3)
+    flight.step_started()
+    assert started.wait(5)
+    deferred_later = threading.Event()
+    flight.store("r3", deferred_later.set, defer=True)  # a new step's store waits for the step after it
+    assert not deferred_later.wait(0.3)
+    flight.step_started()
+    assert deferred_later.wait(5)
+
+
+def test_a_deferred_store_starts_by_itself_when_no_step_comes(flight, monkeypatch):
+    monkeypatch.setattr(in_flight, "DEFER_MAX_S", 0.2)
+    started = threading.Event()
+    flight.store("r1", started.set, defer=True)
+    assert started.wait(5)
+
+
+def test_a_preempted_requests_deferred_store_is_waited_for_once_the_step_began(flight, monkeypatch):
+    monkeypatch.setattr(in_flight, "DEFER_MAX_S", 30.0)
+    done = threading.Event()
+    flight.store("r1", done.set, defer=True)
+    flight.step_started()  # what handle_preemptions does first
+    t0 = time.monotonic()
+    assert flight.wait_for_stores({"r1"}) == 1
+    assert done.is_set() and time.monotonic() - t0 < 10.0
