@@ -5,12 +5,13 @@ per process role) then times its hooks -- the scheduler's ``get_num_new_matched_
 ``build_connector_meta``, the worker's ``start_load_kv`` and ``wait_for_save`` -- and writes a summary to
 ``DIR/hook-times-<role>-<pid>-<n>.json``: per hook the number of calls, the total, mean, p50, p99 and max in
 milliseconds, and the calling thread's CPU time in them (total and mean: wall time well above it is time the
-thread waited for its core or a lock). A daemon thread rewrites the file once a second while new calls come in; the connector's
-shutdown and interpreter exit write it once more, so a stopped vLLM leaves its final figures.
+thread waited for its core or a lock). A daemon thread rewrites the file once a second while new calls come
+in; the connector's shutdown and interpreter exit write it once more, so a stopped vLLM leaves its final
+figures.
 
 With the variable unset nothing is wrapped: :func:`install` returns at once and the connector's methods are
-the class's own. Timing adds two ``perf_counter_ns`` and two ``thread_time_ns`` calls, a lock and a list append per hook call. The benchmark that reads
-these files is tests/e2e/bench_serve.py.
+the class's own. Timing adds two ``perf_counter_ns`` and two ``thread_time_ns`` calls, a lock and a list
+append per hook call. The benchmark that reads these files is tests/e2e/bench_serve.py.
 """
 
 from __future__ import annotations

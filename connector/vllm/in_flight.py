@@ -11,9 +11,10 @@ vLLM's rules for asynchronous transfers (docs/dev/vllm-connector-notes.md §6):
 - a preempted request's blocks are freed at once: its store must be done before the step's forward pass
   writes into them (`wait_for_stores`).
 
-A store handed over with `defer` starts only once the worker begins its next step (`step_started`), or after
-DEFER_MAX_S: the step that completed the prompt still samples that request's first token, and a store thread
-running meanwhile takes the worker's core and GIL from it (docs/performance.md, "deferred stores").
+A store handed over with `defer` starts only once the worker begins its next step (`release_deferred`), or
+when it is waited for, or after DEFER_MAX_S: the step that completed the prompt still samples that request's
+first token, and a store thread running meanwhile takes the worker's core and GIL from it
+(docs/performance.md, "deferred stores").
 
 Torch- and vLLM-free, so that it is unit-tested on its own.
 """
@@ -65,13 +66,16 @@ class InFlight:
     def store(self, req_id: str, job: Callable[[], object], defer: bool = False) -> None:
         """Run `job` on the store thread; with `defer`, not before the worker's next step begins."""
         previous = self._stores.get(req_id)
-        if previous is not None:
+        if previous is not None and not previous.done():
+            self.release_deferred()  # waited for here: it may not wait for the next step
             previous.result()  # one store per request at a time: a second waits for the first
         self._told.discard(req_id)
-        self._stores[req_id] = self._storer.submit(self._logged(req_id, job, self._next_step if defer else None))
+        gate = self._next_step if defer else None
+        self._stores[req_id] = self._storer.submit(self._logged(req_id, job, gate))
 
-    def step_started(self) -> None:
-        """The worker begins a step: the previous step (and its sampling) is over; deferred stores may run."""
+    def release_deferred(self) -> None:
+        """Let the deferred stores handed over so far run now (the worker begins its next step, or one of them
+        is waited for); later ones wait for the next release."""
         self._next_step.set()
         self._next_step = threading.Event()
 
@@ -92,13 +96,13 @@ class InFlight:
 
     def wait_for_stores(self, req_ids: Iterable[str]) -> int:
         """Block until the stores of `req_ids` (preempted: their blocks are free again) are done; how many."""
-        waited = 0
-        for req_id in req_ids:
-            future = self._stores.get(req_id)
-            if future is not None and not future.done():
-                future.result()
-                waited += 1
-        return waited
+        futures = (self._stores.get(req_id) for req_id in req_ids)
+        pending = [f for f in futures if f is not None and not f.done()]
+        if pending:
+            self.release_deferred()  # waited for now, not at the next step
+        for future in pending:
+            future.result()
+        return len(pending)
 
     def stored(self) -> set[str]:
         """Requests whose store is done, each reported once (the worker's step metadata): the scheduler need
@@ -134,6 +138,6 @@ class InFlight:
 
     def close(self) -> None:
         """Wait for what is in flight (a store reads engine memory vLLM is about to free), then stop."""
-        self._next_step.set()
+        self.release_deferred()
         self._loader.shutdown(wait=True)
         self._storer.shutdown(wait=True)

@@ -209,7 +209,8 @@ class WorkerSide(ConnectorSide):
             if self._server_store(spec):
                 continue
             if self._in_flight is not None:
-                self._in_flight.store(spec.req_id, lambda spec=spec: self._store(spec), defer=self.options.defer_stores)
+                self._in_flight.store(spec.req_id, lambda spec=spec: self._store(spec),
+                                      defer=self.options.defer_stores)
                 continue
             try:
                 self._store(spec)
@@ -289,9 +290,10 @@ class WorkerSide(ConnectorSide):
     def handle_preemptions(self, meta: KVConnectorMetadata) -> None:
         """A step begins (vLLM calls this first in every step): deferred stores may start. Before the forward
         pass reuses a preempted request's blocks, let its store finish reading them."""
-        if self._in_flight is not None:
-            self._in_flight.step_started()
-        if self._in_flight is not None and isinstance(meta, KVTierMetadata) and meta.preempted:
+        if self._in_flight is None:
+            return
+        self._in_flight.release_deferred()
+        if isinstance(meta, KVTierMetadata) and meta.preempted:
             waited = self._in_flight.wait_for_stores(meta.preempted)
             if waited:
                 log.debug("kvtier: waited for %d stores of preempted requests", waited)

@@ -40,9 +40,9 @@ percentile-bootstrap interval: the figure to hold against a margin such as "with
 the noise bands is not a result. ``--hook-times`` also times the kvtier
 connector's hooks inside vLLM (``KVTIER_HOOK_TIMES``, connector/vllm/hook_times.py) and adds them to the table:
 calls, totals and the hooks' own CPU time of the client's requests (the warm-up's subtracted), p99 over all
-calls; the wrappers cost a little, so leave it off for the figures that compare configurations. ``--thread-cpu`` adds, per
-configuration, the CPU seconds and involuntary context switches of each thread of vLLM and the daemon during
-the client's run (thread_cpu.py): where the cores went.
+calls; the wrappers cost a little, so leave it off for the figures that compare configurations.
+``--thread-cpu`` adds, per configuration, the CPU seconds and involuntary context switches of each thread of
+vLLM and the daemon during the client's run (thread_cpu.py): where the cores went.
 
 Every wait is bounded (startup, warm-up, the client: ``--client-timeout``); vLLM, the daemons and the
 client each run in their own process group and are killed on error or exit (harness.Proc).
@@ -449,7 +449,8 @@ def table(summary: dict[str, Any], args: argparse.Namespace) -> str:
             for h, x in ms[c].get("hooks", {}).items():
                 lines.append(
                     f"  {c} hook {h}: {x['calls_per_round']:.0f} calls/round, mean {x['mean_ms']:.3f} ms "
-                    f"(CPU {x['cpu_mean_ms']:.3f} ms), p99 {x['p99_ms']:.3f} ms (warm-up included), {x['total_ms_per_round']:.0f} ms/round"
+                    f"(CPU {x['cpu_mean_ms']:.3f} ms), p99 {x['p99_ms']:.3f} ms (warm-up included), "
+                    f"{x['total_ms_per_round']:.0f} ms/round"
                 )
     return "\n".join(lines)
 

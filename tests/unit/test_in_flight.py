@@ -152,12 +152,12 @@ def test_a_deferred_store_starts_only_when_the_next_step_begins(flight, monkeypa
     flight.store("r1", started.set, defer=True)
     flight.store("r2", lambda: None)  # not deferred, but queued behind r1 on the one store thread
     assert not started.wait(0.3)
-    flight.step_started()
+    flight.release_deferred()
     assert started.wait(5)
     deferred_later = threading.Event()
     flight.store("r3", deferred_later.set, defer=True)  # a new step's store waits for the step after it
     assert not deferred_later.wait(0.3)
-    flight.step_started()
+    flight.release_deferred()
     assert deferred_later.wait(5)
 
 
@@ -168,11 +168,19 @@ def test_a_deferred_store_starts_by_itself_when_no_step_comes(flight, monkeypatc
     assert started.wait(5)
 
 
-def test_a_preempted_requests_deferred_store_is_waited_for_once_the_step_began(flight, monkeypatch):
-    monkeypatch.setattr(in_flight, "DEFER_MAX_S", 30.0)
+def test_a_deferred_store_waited_for_runs_at_once(flight, monkeypatch):
+    monkeypatch.setattr(in_flight, "DEFER_MAX_S", 30.0)  # without the release the waits below take 30 s
     done = threading.Event()
     flight.store("r1", done.set, defer=True)
-    flight.step_started()  # what handle_preemptions does first
     t0 = time.monotonic()
-    assert flight.wait_for_stores({"r1"}) == 1
+    assert flight.wait_for_stores({"r1"}) == 1  # a preempted request's store, before its step began
     assert done.is_set() and time.monotonic() - t0 < 10.0
+    second = threading.Event()
+    flight.store("r2", lambda: None, defer=True)
+    flight.store("r2", second.set, defer=True)  # a second store of one request waits for its first
+    assert time.monotonic() - t0 < 10.0
+    later = threading.Event()
+    flight.store("r3", later.set, defer=True)  # the release let out only what was handed over before it
+    assert not later.wait(0.3)
+    flight.release_deferred()
+    assert later.wait(5) and second.is_set()
