@@ -14,6 +14,7 @@ from kvtier.server.gpu_ops import GpuOps
 
 # Copier states (server/transfer/copiers.py) in which no process of it runs, so nothing of L1 is locked by it.
 _STOPPED = ("failed", "closed")
+_SELF_LOADING = ("host",)  # engines whose workers load by themselves (the copier only stores: transfer/host.py)
 
 
 def lockers(gpu: GpuOps) -> list[str]:
@@ -25,12 +26,14 @@ def lockers(gpu: GpuOps) -> list[str]:
 def unpinned(gpu: GpuOps, fp: bytes) -> bool:
     """Whether a GPU worker that registered namespace `fp` has a copier that cannot load yet: not serving, or
     L1 not wholly page-locked (a lookup of `fp` then answers misses). A namespace is a worker's once its
-    client registered it (the connector does so before its first gpu_store or gpu_load of it)."""
+    client registered it (the connector does so before its first gpu_store or gpu_load of it). A CPU worker
+    whose stores the server copies (a "host" registration) loads by itself: its copier never gates lookups."""
     if not gpu.registrations:
         return False
     clients = gpu.holds.clients
     devices = {(r.memory.engine, r.memory.device) for r in gpu.registrations.values()
-               if (c := clients.get(r.owner)) is not None and fp in c.namespaces}
+               if r.memory.engine not in _SELF_LOADING
+               and (c := clients.get(r.owner)) is not None and fp in c.namespaces}
     if not devices:
         return False
     ready = {(c["engine"], c["device"]) for c in gpu.engine.status()["copiers"]

@@ -32,6 +32,8 @@ class _Iovec(ctypes.Structure):
 class HostOpened:
     pid: int
     base: int
+    token_at: int
+    token: bytes
 
 
 class HostBackend(DeviceBackend):
@@ -91,18 +93,25 @@ class HostBackend(DeviceBackend):
             raise GpuUnavailable(
                 IPC_REFUSED, f"process {memory.pid} runs as uid {uid}, the server as {os.geteuid()}"
             )
-        held = np.zeros(len(token), np.uint8)
+        opened = HostOpened(memory.pid, base, token_at, token)
         try:
-            self._read(memory.pid, [(token_at, held.ctypes.data, len(token))])
+            held = self._holds_token(opened)
         except OSError as exc:
             raise GpuUnavailable(
                 IPC_REFUSED,
                 f"cannot read process {memory.pid} (same PID namespace, ptrace "
                 f"permission: Yama ptrace_scope, CAP_SYS_PTRACE, seccomp): {exc}",
             ) from exc
-        if held.tobytes() != token:
+        if not held:
             raise GpuUnavailable(IPC_REFUSED, f"process {memory.pid} does not hold the registration's token")
-        return HostOpened(memory.pid, base)
+        return opened
+
+    def _holds_token(self, opened: HostOpened) -> bool:
+        """Whether the process at `opened.pid` holds the registration's token where it said (OSError when it
+        cannot be read)."""
+        held = np.zeros(len(opened.token), np.uint8)
+        self._read(opened.pid, [(opened.token_at, held.ctypes.data, len(opened.token))])
+        return held.tobytes() == opened.token
 
     def close(self, opened: HostOpened) -> None:
         """Nothing is mapped: the worker's memory is only read while a copy runs."""
@@ -111,7 +120,9 @@ class HostBackend(DeviceBackend):
         self, opened: HostOpened, direction: str, entries: Sequence[Entry], event: int, timeout_s: float
     ) -> None:
         """Read `entries` now: the worker sends a store only after the step's forward wrote its blocks (a CPU
-        forward is synchronous), so there is no event to wait for."""
+        forward is synchronous), so there is no event to wait for. The token is read again afterwards: a worker
+        that exited meanwhile, and any process that took its pid, fail the copy (nothing is committed) instead of
+        storing bytes that are not its KV."""
         if direction != STORE:
             raise GpuUnavailable(COPIER_FAILED, "host engines load by themselves; the server only stores")
         try:
@@ -119,5 +130,8 @@ class HostBackend(DeviceBackend):
                 opened.pid,
                 [(opened.base + at, self._segment_at + segment_at, size) for at, segment_at, size in entries],
             )
+            held = self._holds_token(opened)
         except OSError as exc:
             raise GpuUnavailable(COPIER_FAILED, str(exc)) from exc
+        if not held:
+            raise GpuUnavailable(COPIER_FAILED, f"process {opened.pid} no longer holds the registration's token")

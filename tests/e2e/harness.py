@@ -31,9 +31,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[2]
 VLLM_ENV_SCRIPT = REPO / "scripts" / "vllm_env.sh"
@@ -41,6 +41,7 @@ TINY_MODEL_SCRIPT = Path(__file__).resolve().parent / "tiny_model.py"
 SERVED_MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 4096
 KVTIER_READY_LINE = "kvtier server ready"
+T = TypeVar("T")
 
 VLLM_BASE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB -> 4096 blocks of 128 tokens
@@ -532,29 +533,43 @@ def kvtier_status(http_port: int) -> dict:
     return http_json(http_port, "/status", timeout=10.0)
 
 
-def wait_l2_drained(http_port: int, timeout: float = 60.0) -> dict:
-    """Wait until kvtier's L2 writes are all on disk (`l2_inflight` 0, something written); its L2 stats."""
+def wait_for(get: Callable[[], T], done: Callable[[T], bool], timeout: float, what: str) -> T:
+    """Poll `get` every 0.2 s until `done` holds for what it returns (returned); RuntimeError after `timeout`."""
     deadline = time.monotonic() + timeout
     while True:
-        s = kvtier_status(http_port)["l2"]
-        if s.get("l2_inflight") == 0 and s.get("l2_written", 0) > 0:
-            return s
+        value = get()
+        if done(value):
+            return value
         if time.monotonic() > deadline:
-            raise RuntimeError(f"L2 writes not drained after {timeout} s: {s}")
+            raise RuntimeError(f"{what} after {timeout} s: {value}")
         time.sleep(0.2)
+
+
+def wait_l2_drained(http_port: int, timeout: float = 60.0) -> dict:
+    """Wait until kvtier's L2 writes are all on disk (`l2_inflight` 0, something written); its L2 stats."""
+    return wait_for(lambda: kvtier_status(http_port)["l2"],
+                    lambda s: s.get("l2_inflight") == 0 and s.get("l2_written", 0) > 0, timeout,
+                    "L2 writes not drained")
 
 
 def wait_remote_drained(http_port: int, timeout: float = 60.0) -> dict:
     """Wait until kvtier's remote-tier writes are all in the store (none queued or in flight, something
     written); its remote stats."""
-    deadline = time.monotonic() + timeout
-    while True:
-        s = kvtier_status(http_port)["remote"]
-        if s.get("remote_inflight") == 0 and s.get("remote_queue_depth") == 0 and s.get("remote_written", 0) > 0:
-            return s
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"remote writes not drained after {timeout} s: {s}")
-        time.sleep(0.2)
+    return wait_for(lambda: kvtier_status(http_port)["remote"],
+                    lambda s: (s.get("remote_inflight") == 0 and s.get("remote_queue_depth") == 0
+                               and s.get("remote_written", 0) > 0), timeout, "remote writes not drained")
+
+
+def wait_cached(http_port: int, model: str | os.PathLike, tokens: Sequence[int], at_least: int,
+                timeout: float = 30.0) -> int:
+    """Wait until kvtier holds at least `at_least` tokens of `tokens` in one namespace of `model` (admin
+    `POST /cache/lookup`, no token set): a store still in flight when its vLLM stops is lost, so a test that
+    stops a vLLM and expects its prompt back waits for it first. The tokens held."""
+    def held() -> int:
+        answer = http_json(http_port, "/cache/lookup", {"tokens": list(tokens), "model": str(model)}, timeout=10.0)
+        return max(ns["cached_tokens"] for ns in answer["namespaces"])
+
+    return wait_for(held, lambda n: n >= at_least, timeout, f"kvtier holds fewer than {at_least} tokens")
 
 
 def reset_prefix_cache(port: int, reset_external: bool = False, timeout: float = 30.0) -> None:

@@ -303,6 +303,9 @@ def test_restarted_vllm_loads_old_prompt(cluster):
     assert_alive(c)
     prompt = harness.prompt_ids(PROMPT_LEN, seed=300)
     _, before = serve_cold_and_cached(c.a.port, prompt)
+    # The daemon copies a store out of the worker after the engine answered (server_stores; on a busy CPU only
+    # once the engine idles), and vLLM's stop kills its worker at once: a copy still under way is lost (a miss).
+    harness.wait_cached(c.kv_http, c.model, prompt, FULL_RELOAD)
     c.a.stop()
     assert not c.a.alive()
     c.start_a()

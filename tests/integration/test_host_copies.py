@@ -2,7 +2,8 @@
 worker, its numpy arrays the KV layers; a real `kvtier server` and its copier process read the blocks out of
 this process with process_vm_readv. What it stores must be the bytes the worker's own copy (PagedKV) would
 have stored, loadable by PagedKV; a registration that does not prove it is this process, a load through the
-host engine, and a server with --no-host-copies are refused, and the worker then copies by itself."""
+host engine, and a server with --no-host-copies are refused, and the worker then copies by itself; a store
+from a process that no longer holds the registration's token commits nothing."""
 
 from __future__ import annotations
 
@@ -153,4 +154,31 @@ def test_a_server_without_host_copies_refuses_once_and_the_keeper_stops(kvtier_s
         assert transfers.store("s", namespace(), prompt(3, TOKENS).tolist(), list(range(18))) is None
     finally:
         transfers.close()
+        c.close()
+
+
+def test_a_store_from_a_process_that_no_longer_holds_the_token_commits_nothing(kvtier_server) -> None:
+    """What the copier reads is a worker's KV only while that worker lives: its token is read again after each
+    copy, so a worker that exited (or a process that took its pid) fails the store instead of filling it. The
+    lookups here come right after the registration, before the copier's first heartbeat: a host registration's
+    copier never loads, so it never turns lookups of the worker's namespace into misses (server/pinning.py)."""
+    srv = kvtier_server(extra=FLAGS)
+    kv, ns, tokens = layers(), namespace(), prompt(4, TOKENS).tolist()
+    fill(kv, list(range(18)), seed=11)
+    host = HostMemory(kv)
+    c, reader = client(srv.url), client(srv.url)  # lookups from another client, as vLLM's scheduler's are
+    transfers = GpuTransfers(c, host.memory, host, fallback="test")
+    try:
+        assert transfers.register()
+        token = host._token.copy()
+        host._token[:] = 0  # this pid no longer shows the registration's token
+        done = transfers.wait(transfers.store("gone", ns, tokens, list(range(18))))
+        assert not done.ok and done.reason == p.COPIER_FAILED, done
+        assert reader.lookup(ns, tokens).tokens == 0  # nothing committed
+        host._token[:] = token  # the same copier goes on serving the registration
+        assert transfers.wait(transfers.store("back", ns, tokens, list(range(18)))).ok
+        assert reader.lookup(ns, tokens).tokens == TOKENS
+    finally:
+        transfers.close()
+        reader.close()
         c.close()
