@@ -252,6 +252,7 @@ def test_second_instance_loads_what_first_served(cluster):
         # And the other way round: A loads what only B computed.
         prompt_b = harness.prompt_ids(PROMPT_LEN, seed=201)
         _, b_cached = serve_cold_and_cached(b.port, prompt_b)
+        harness.wait_cached(c.kv_http, c.model, prompt_b, FULL_RELOAD)  # before B stops (see check 3)
     on_a2 = serve(c.a.port, prompt_b, reset=True)
     assert on_a2.external >= FULL_RELOAD, on_a2
     assert on_a2.out == b_cached.out, (on_a2.out, b_cached.out)
