@@ -6,7 +6,10 @@ DeviceBackend (cuda.py, imported only here and only for "cuda"; or the CPU stand
 (plan.py) and runs it. The copies of one registration and direction run in order on one thread (its
 "stream"); different registrations and directions run in parallel. A heartbeat carries pinning progress every
 HEARTBEAT_S. The process ends when the daemon's end closes, and with the daemon (PR_SET_PDEATHSIG), so that no
-mapping of an engine's memory outlives the daemon; on the way out it closes every registration.
+mapping of an engine's memory outlives the daemon; on the way out it closes every registration. It ignores
+SIGTERM and SIGINT: sent to the daemon's whole process group (systemd's default stop, a terminal's Ctrl-C), they
+are the daemon's to act on, and the daemon stops its copiers itself (a copier that died of them first would be
+restarted by the daemon on its way down).
 
 Messages are msgpack maps, each prefixed by its length (FRAME). Daemon -> copier: register {reg, memory},
 unregister {reg} (no reply), copy {reg, direction, copies, event}. Copier -> daemon: hello {ok, pid | reason,
@@ -300,6 +303,8 @@ def _map_segment(args: CopierArgs) -> mmap.mmap:
 def main(argv: Sequence[str] | None = None) -> None:
     args = CopierArgs.parse(sys.argv[1:] if argv is None else argv)
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     sock = socket.socket(fileno=args.fd)
     try:
         backend = make_backend(args)

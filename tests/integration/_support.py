@@ -137,3 +137,10 @@ def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "cond
             return last
         time.sleep(interval)
     raise AssertionError(f"{what} not reached within {timeout}s (last: {last!r})")
+
+
+def copier_pids(server_pid: int) -> list[int]:
+    """The daemon's copier processes (its children running kvtier.server.transfer.copier)."""
+    out = subprocess.run(["pgrep", "-P", str(server_pid), "-f", "kvtier.server.transfer.copier"],
+                         capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]

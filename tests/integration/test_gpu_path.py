@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import zmq
 from _gpu_rig import BLOCKS, LAYERS, PAGE_BYTES, FakeGpuWorker, namespace
-from _support import free_port, prompt, wait_for
+from _support import copier_pids, free_port, prompt, wait_for
 from kvtier.connector.client import ClientConfig, KVTierClient, KVTierError
 from kvtier.server import protocol as p
 from kvtier.server.keys import chunk_keys
@@ -79,12 +79,6 @@ def mapped_by(name: str) -> list[int]:
             except OSError:
                 continue
     return pids
-
-
-def copier_pids(server_pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(server_pid), "-f", "kvtier.server.transfer.copier"],
-                         capture_output=True, text=True)
-    return [int(x) for x in out.stdout.split()]
 
 
 def stats(url: str) -> dict:

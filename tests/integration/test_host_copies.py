@@ -8,11 +8,12 @@ from a process that no longer holds the registration's token commits nothing."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import numpy as np
 import pytest
-from _support import prompt, wait_for
+from _support import copier_pids, prompt, wait_for
 from kvtier.connector.client import ClientConfig, KVTierClient, KVTierError
 from kvtier.connector.gpu_transfers import GpuTransfers
 from kvtier.connector.host_memory import HostMemory
@@ -182,3 +183,30 @@ def test_a_store_from_a_process_that_no_longer_holds_the_token_commits_nothing(k
         transfers.close()
         reader.close()
         c.close()
+
+
+def test_a_copier_leaves_sigterm_and_sigint_to_the_daemon(kvtier_server) -> None:
+    """systemd's default stop (and a terminal's Ctrl-C) signals the daemon's whole process group, its copier
+    included: the copier ignores them (the daemon stops it itself), so it neither dies first and gets
+    restarted by a daemon on its way down, nor drops the stores it is copying; the daemon stops cleanly."""
+    srv = kvtier_server(extra=FLAGS)
+    kv, ns = layers(), namespace()
+    fill(kv, list(range(18)), seed=13)
+    host = HostMemory(kv)
+    c = client(srv.url)
+    transfers = GpuTransfers(c, host.memory, host, fallback="test")
+    try:
+        assert transfers.register()  # the host copier process runs
+        assert srv.proc is not None
+        [copier] = copier_pids(srv.proc.pid)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            os.kill(copier, sig)
+        time.sleep(0.5)
+        assert copier_pids(srv.proc.pid) == [copier]  # still the same process
+        assert transfers.wait(transfers.store("s", ns, prompt(5, TOKENS).tolist(), list(range(18)))).ok
+        srv.signal(signal.SIGTERM)  # the whole group, as systemd does
+        assert srv.proc.wait(timeout=30) == 0, srv.log_text()
+    finally:
+        transfers.close()
+        c.close()
+    assert "restarting" not in srv.log_text() and "copier exited" not in srv.log_text(), srv.log_text()
