@@ -560,16 +560,19 @@ def wait_remote_drained(http_port: int, timeout: float = 60.0) -> dict:
                                and s.get("remote_written", 0) > 0), timeout, "remote writes not drained")
 
 
+def cached_tokens(http_port: int, model: str | os.PathLike, tokens: Sequence[int]) -> int:
+    """The most of `tokens` kvtier holds in one namespace of `model` (admin `POST /cache/lookup`, no token set)."""
+    answer = http_json(http_port, "/cache/lookup", {"tokens": list(tokens), "model": str(model)}, timeout=10.0)
+    return max(ns["cached_tokens"] for ns in answer["namespaces"])
+
+
 def wait_cached(http_port: int, model: str | os.PathLike, tokens: Sequence[int], at_least: int,
                 timeout: float = 30.0) -> int:
-    """Wait until kvtier holds at least `at_least` tokens of `tokens` in one namespace of `model` (admin
-    `POST /cache/lookup`, no token set): a store still in flight when its vLLM stops is lost, so a test that
-    stops a vLLM and expects its prompt back waits for it first. The tokens held."""
-    def held() -> int:
-        answer = http_json(http_port, "/cache/lookup", {"tokens": list(tokens), "model": str(model)}, timeout=10.0)
-        return max(ns["cached_tokens"] for ns in answer["namespaces"])
-
-    return wait_for(held, lambda n: n >= at_least, timeout, f"kvtier holds fewer than {at_least} tokens")
+    """Wait until kvtier holds at least `at_least` tokens of `tokens` in one namespace of `model`: a store still
+    in flight when its vLLM stops is lost, so a test that stops a vLLM and expects its prompt back waits for it
+    first. The tokens held."""
+    return wait_for(lambda: cached_tokens(http_port, model, tokens), lambda n: n >= at_least, timeout,
+                    f"kvtier holds fewer than {at_least} tokens")
 
 
 def reset_prefix_cache(port: int, reset_external: bool = False, timeout: float = 30.0) -> None:

@@ -37,8 +37,7 @@ def one_try(model: Path, python: Path, kv_port: int, kv_http: int, logdir: Path,
     started = time.monotonic()
     vllm.stop()
     stop_s = time.monotonic() - started
-    answer = harness.http_json(kv_http, "/cache/lookup", {"tokens": prompt, "model": str(model)}, timeout=10.0)
-    return max(ns["cached_tokens"] for ns in answer["namespaces"]), stop_s
+    return harness.cached_tokens(kv_http, model, prompt), stop_s
 
 
 def main() -> None:
