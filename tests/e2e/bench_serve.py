@@ -3,7 +3,7 @@
 Not a pytest module (no ``test_`` prefix). Run from the project venv::
 
     .venv/bin/python tests/e2e/bench_serve.py [--quick] [--modes saturation,rate,fits]
-        [--configs none,kvtier,lmcache|null] [--rounds 2] [--kvtier-options KEY=VALUE,...] [--hook-times]
+        [--configs none,kvtier,lmcache|null|kvtier-nostore] [--rounds 2] [--kvtier-options KEY=VALUE,...] [--hook-times]
         [--thread-cpu]
         [--json [PATH]]
 
@@ -24,7 +24,9 @@ Configurations (a fresh vLLM, and a fresh ``kvtier server --l1-size-gb 1`` or ``
 --l1-size-gb 1``, for each run; both stopped after it): ``none`` (no kv-transfer-config), ``kvtier`` (the
 kv-transfer-config of docs/quickstart.md, ``harness.kvtier_connector_config``, with ``--kvtier-options``), ``lmcache``
 (``LMCacheMPConnector``, ``scripts/lmcache_env.sh``'s separate venv), and, only when named, ``null``
-(null_connector.py, a connector that does nothing: vLLM's own cost of having one, to split a connector's cost).
+(null_connector.py, a connector that does nothing: vLLM's own cost of having one, to split a connector's cost)
+and ``kvtier-nostore`` (kvtier, every request sent with the hint ``store: false``: its lookups and per-step hooks
+without its stores, to split kvtier's own cost).
 Per mode they run interleaved ``--rounds`` times, in the listed order in odd rounds and the reverse in even
 ones (none, kvtier, kvtier, none, none, ...), so a slow drift of the machine hits all of them alike.
 
@@ -72,7 +74,7 @@ import harness  # noqa: E402
 import thread_cpu  # noqa: E402
 
 REPO = harness.REPO
-CONFIGS = ("none", "null", "kvtier", "lmcache")
+CONFIGS = ("none", "null", "kvtier", "kvtier-nostore", "lmcache")
 DEFAULT_CONFIGS = ("none", "kvtier", "lmcache")
 # ratios to each of these that ran; to null: a connector's cost beyond vLLM's own
 BASELINES = ("none", "null")
@@ -82,6 +84,9 @@ NULL_CONNECTOR = {  # null_connector.py: vLLM's own cost of a configured connect
     "kv_role": "kv_both",
     "kv_load_failure_policy": "recompute",  # as kvtier's config (it never loads)
 }
+# kvtier-nostore: kvtier with every request's hint `store: false` (docs/hints.md): its lookups and per-step hooks
+# without its stores, so that kvtier's own cost splits into the two
+NO_STORE_BODY = '{"kv_transfer_params": {"kvtier": {"store": false}}}'
 BLOCKS_SMALL = 160  # vLLM KV cache blocks (128 tokens) in saturation and rate: the prefixes do not fit
 MODES: dict[str, dict[str, Any]] = {
     "saturation": {"max_concurrency": 16, "request_rate": "inf", "blocks": BLOCKS_SMALL},
@@ -117,7 +122,7 @@ def vllm_counters(port: int) -> dict[str, float]:
 
 
 def client_cmd(
-    vllm_py: Path, model: Path, port: int, mode: str, args: argparse.Namespace, result: Path
+    vllm_py: Path, model: Path, port: int, mode: str, config: str, args: argparse.Namespace, result: Path
 ) -> list[str]:
     m = MODES[mode]
     cmd = [
@@ -139,6 +144,8 @@ def client_cmd(
     ]  # fmt: skip
     if m["max_concurrency"]:
         cmd += ["--max-concurrency", str(m["max_concurrency"])]
+    if config == "kvtier-nostore":
+        cmd += ["--extra-body", NO_STORE_BODY]
     return cmd
 
 
@@ -206,7 +213,7 @@ def run_once(
     env_extra: dict[str, str] = {}
     hook_dir = out_dir / "hooks" / tag
     try:
-        if config == "kvtier":
+        if config in ("kvtier", "kvtier-nostore"):
             kp, kh = harness.free_port(), harness.free_port()
             daemon = harness.start_kvtier(kp, kh, args.l1_gb, python=vllm_py, logdir=logdir, timeout=120)
             kvc, py = harness.kvtier_connector_config(kp, **harness.options_of(args.kvtier_options)), vllm_py
@@ -265,7 +272,7 @@ def run_once(
             result = out_dir / "results" / f"{tag}.json"
             result.parent.mkdir(parents=True, exist_ok=True)
             result.unlink(missing_ok=True)
-            cmd = client_cmd(vllm_py, model, v.port, mode, args, result)
+            cmd = client_cmd(vllm_py, model, v.port, mode, config, args, result)
             pgids = {v.pgid: "vllm"} | ({daemon.pgid: "daemon"} if daemon is not None else {})
             threads_before = thread_cpu.snapshot(pgids) if args.thread_cpu else {}
             res["client"] = run_client(cmd, logdir / f"client-{tag}.log", result, args.client_timeout)
@@ -275,6 +282,8 @@ def run_once(
                 ]
             after = vllm_counters(v.port)
             res["prompt_tokens"] = {k: after[k] - before[k] for k in (*SOURCES, "preemptions")}
+            if daemon is not None and config != "lmcache":  # chunks kvtier committed (none in kvtier-nostore)
+                res["kvtier_stores"] = harness.metric(harness.metrics(kh), "kvtier_stores_total")
             res["log_errors"] = [ln[-300:] for ln in v.log_text().splitlines() if ERROR_LINES.search(ln)][:20]
             res["vllm_log"] = str(v.log_path)
         finally:
