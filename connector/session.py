@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.connector.populate import Populator
 from kvtier.connector.transport import KVTierError, KVTierUnavailable, Link, Request, State, Transport
 from kvtier.server import protocol as p
 from kvtier.server.keys import Namespace
@@ -88,6 +89,9 @@ class Session:
         self._namespaces: dict[Namespace, bytes] = {}
         self._next_attempt = 0.0
         self._alive: ClientLock | None = None  # liveness lock beside the server's segment (docs/protocol.md)
+        self._populate = False  # this client copies into and out of L1: map all of it ahead (populate_l1)
+        self._l1_backed = False  # the server backs all of L1 with memory (its hello reply)
+        self._populator: Populator | None = None
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -124,6 +128,9 @@ class Session:
         """Drop the connection (caller holds `_conn`): every request pending on it resolves to a miss."""
         self._transport.drop()
         self.server_id = ""
+        if self._populator is not None:  # before the mapping it populates goes
+            self._populator.stop()
+            self._populator = None
         if self._segment is not None:
             self._segment.close()
             self._segment = None
@@ -161,6 +168,8 @@ class Session:
         self._segment = segment
         link.array, link.page_size = segment.array(), reply["page_size"]
         self._presence = _map_presence(reply)
+        self._l1_backed = bool(reply.get("l1_backed"))
+        self._start_populating()
         self.server_id = reply["server_id"]
         self.heartbeat_s = float(reply.get("heartbeat_s") or 0.0)
         self.events_endpoint = str(reply.get("events") or "")  # the server's event feed: stores name their tokens
@@ -168,6 +177,25 @@ class Session:
         self.hellos += 1
         self._namespaces = {ns: b"" for ns in self._namespaces}
         log.info("connected to kvtier server %s at %s", self.server_id[:8], self.config.url)
+
+    def populate_l1(self) -> None:
+        """This client copies into and out of L1 (a CPU engine's worker): map all of it into this process's page
+        tables ahead, in the background (populate.py), now and after every hello, where the server backs all of
+        L1 with memory (`l1_backed`, its prefault; on a sparse segment it would commit memory the server leaves
+        unused)."""
+        with self._conn:
+            self._populate = True
+            self._start_populating()
+
+    @property
+    def l1_populated(self) -> bool:
+        """Whether all of the current server's L1 is mapped into this process ahead (populate_l1)."""
+        populator = self._populator
+        return populator is not None and populator.done
+
+    def _start_populating(self) -> None:
+        if self._populate and self._l1_backed and self._segment is not None and self._populator is None:
+            self._populator = Populator(self._segment)
 
     def _unreachable(self, link: Link) -> None:
         """The server did not answer on connection `link`: drop it and back off."""

@@ -117,8 +117,9 @@ class Daemon:
             max_copiers=config.gpu_max_copiers), self._copier_changed),
             self.gpu_metrics, self.segment.size, copy_timeout_s=config.gpu_op_timeout_s,
             allow_fake=config.gpu_fake_engine, allow_host=config.host_copies)
+        # l1_backed: all of L1 is backed with memory (the prefault), so a client may map it all ahead
         segment_info = {"shm_name": self.segment.name, "shm_dir": config.shm_dir, "shm_size": self.segment.size,
-                        "page_size": config.page_size}
+                        "page_size": config.page_size, "l1_backed": config.l1_prefault}
         if self.presence is not None:  # only when authoritative: a client trusts its "not held"
             segment_info["presence"] = self.presence.name
         self.handler = RequestHandler(

@@ -11,6 +11,7 @@ it over with its bytes (`adopt`, a warm restart: docs/warm-restart.md).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -25,6 +26,11 @@ import numpy as np
 
 SHM_DIR = "/dev/shm"
 PREFAULT_STEP = 64 << 20
+POPULATE_STEP = 16 << 20
+MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14+; Python 3.11's mmap module does not name it
+_madvise = ctypes.CDLL(None, use_errno=True).madvise  # through ctypes: the GIL is released while it runs
+_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_madvise.restype = ctypes.c_int
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,200}$")
 
 
@@ -161,6 +167,27 @@ class Segment:
             os.posix_fallocate(self.fd, done, n)
             done += n
             progress(done)
+        return True
+
+    def populate(self, stop: threading.Event, step: int = POPULATE_STEP) -> bool:
+        """Enter every page of this mapping into this process's page tables, writable, without writing to it
+        (madvise MADV_POPULATE_WRITE, Linux 5.14+; `step` bytes a call, the GIL released, so that `stop` is
+        honoured): afterwards a copy into or out of the segment takes no page fault, which costs about ten times
+        the copy of a page that is mapped already. Only for a segment whose owner backs all of it (the server's
+        prefault), as on a hole it would allocate memory. The caller keeps the mapping open until it returns.
+        Returns whether it finished; OSError when the kernel refuses (EINVAL before Linux 5.14)."""
+        anchor = ctypes.c_char.from_buffer(self.buf)  # an export of the mapping, for its address only
+        base = ctypes.addressof(anchor)
+        del anchor
+        done = 0
+        while done < self.size:
+            if stop.is_set():
+                return False
+            n = min(step, self.size - done)
+            if _madvise(base + done, n, MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {self.name}: {os.strerror(err)}")
+            done += n
         return True
 
     def give_back(self, ranges: Iterable[tuple[int, int]]) -> int:

@@ -44,6 +44,7 @@ class ConnectorOptions:
     async_stores: bool = True  # stores on a worker thread, off the engine's step (a finished request's blocks held)
     defer_stores: bool = True  # an asynchronous store starts when the next step begins (after the sampling)
     server_stores: bool = False  # CPU engines: the server copies a store's blocks out of the worker (docs/vllm.md)
+    populate_l1: bool = True  # CPU engines: the worker maps all of L1 ahead, so that its copies take no page fault
     model_id: str = ""  # names the weights instead of fingerprinting their files (docs/vllm.md, the key)
     verify_fraction: float = 0.0  # sampled hits recomputed and compared with what kvtier holds (0 = off)
     verify_tolerance: float = 0.05  # relative L2 difference above which a recomputed block is a mismatch

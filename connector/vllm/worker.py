@@ -76,6 +76,8 @@ class WorkerSide(ConnectorSide):
         self._kv_dtype = str(next(iter(kv_caches.values())).dtype).removeprefix("torch.")
         log.info("kvtier connector: %d layers x %d blocks of %d bytes", len(layers), self._kv.num_blocks,
                  self._kv.block_bytes)
+        if self.options.populate_l1:
+            self.client.populate_l1()
         if self.options.server_stores:
             host = HostMemory(layers)
             self._host = GpuTransfers(self.client, host.memory, host, fallback="this worker copies its stores")

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import mmap
 import os
+import resource
+import threading
 import uuid
 
 import numpy as np
@@ -167,3 +171,35 @@ def test_tmpfs_options_accepts_tmpfs_and_refuses_other_filesystems(tmp_path):
         tmpfs_options("/proc")
     with pytest.raises(ValueError, match="does not exist"):
         tmpfs_options(str(tmp_path / "missing"))
+
+
+def _faults_writing_every_page(segment: Segment) -> int:
+    """Minor page faults this thread takes writing one byte into every page of `segment`."""
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    segment.array()[:: mmap.PAGESIZE] = 7
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+
+
+def test_populate_maps_every_page_ahead_so_that_writes_take_no_fault(seg_name):
+    size = 8 << 20
+    pages = size // mmap.PAGESIZE
+    owner = Segment.create(seg_name, size)
+    assert owner.prefault(threading.Event(), lambda _done: None)  # backed, as by the server's prefault
+    cold, warm, stopped = (Segment.attach(seg_name, size) for _ in range(3))
+    try:
+        try:
+            assert warm.populate(threading.Event(), step=1 << 20)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:
+                pytest.skip("MADV_POPULATE_WRITE needs Linux 5.14 or later")
+            raise
+        assert _faults_writing_every_page(cold) >= pages // 2  # not mapped ahead: pages fault in on first touch
+        assert _faults_writing_every_page(warm) < pages // 16
+        assert owner.array()[:: mmap.PAGESIZE].tolist() == [7] * pages  # the same memory, written once more
+        stop = threading.Event()
+        stop.set()
+        assert not stopped.populate(stop)
+        assert _faults_writing_every_page(stopped) >= pages // 2  # a stopped pass mapped nothing
+    finally:
+        for segment in (cold, warm, stopped, owner):
+            segment.close()
