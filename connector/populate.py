@@ -1,10 +1,10 @@
 """Map all of the server's L1 into this process's page tables in the background (the connector's CPU copies).
 
 A process's first write or read of each 4 KiB page of the L1 segment takes a page fault, even when the server
-has backed the whole segment with memory (its prefault): measured on a 2-core VM, a 64 KiB copy into pages
-not yet mapped by this process costs about 25 us, into mapped ones 2.5 us, so a fresh vLLM worker pays about
-0.2 ms of its core for each 512 KiB chunk it stores or loads until it has touched all of L1 once
-(docs/performance.md). A `Populator` maps the whole segment once, after each hello, off the engine's threads.
+has backed the whole segment with memory (its prefault): a copy into pages this process has not mapped yet
+runs about 5x slower than into mapped ones (docs/performance.md, "Copy path vs raw memcpy"), which a fresh vLLM
+worker would pay on its engine's core for every chunk it stores or loads until it had touched all of L1 once.
+A `Populator` maps the whole segment once, after each hello, off the engine's threads.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ memcpy of the same bytes, measured in the same run.
 For each chunk size (256-token chunks of 2, 8 and 32 MiB by default) a fresh server is started (on
 `--shm-dir`; it backs L1 with memory first, `--l1-prefault`, and the bench waits for that) and
   * cold stores: the client's first pass over L1 (pages backed by the server, not yet mapped by this
-    client); the baseline is np.copyto into a fresh, sparse tmpfs mapping (allocation + zeroing + fault);
+    client; with `--populate` mapped ahead, as a CPU vLLM worker maps them: `Session.populate_l1`); the
+    baseline is np.copyto into a fresh, sparse tmpfs mapping (allocation + zeroing + fault);
   * warm stores: later passes reuse evicted pages (already mapped by this client); the baselines are
     np.copyto between two preallocated buffers ("memcpy") and into a warm tmpfs mapping;
   * retrieves of resident chunks (warm), and the first read through a brand-new client mapping
@@ -47,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shm-dir", default="/dev/shm",
                         help="tmpfs directory of the servers' L1 and of the raw shm baselines (default /dev/shm; "
                              "a tmpfs mounted with huge=always or within_size measures L1 on huge pages)")
+    parser.add_argument("--populate", action="store_true",
+                        help="the client maps all of L1 ahead before its first pass, as a CPU vLLM worker does "
+                             "(kvtier.populate_l1): the first pass's stores then meet mapped pages")
     parser.add_argument("--plot", default="", help="write a PNG plot here (needs matplotlib)")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -136,12 +140,18 @@ PATH_PHASES = ("store_cold", "store_warm", "retrieve_warm", "retrieve_fresh_map"
 RAW_PHASES = ("memcpy", "shm_write_cold", "shm_write_warm", "shm_read_warm", "shm_read_fresh_map")
 
 
-def _wait_backed(client: Any, timeout: float = 120.0) -> None:
+def _wait_backed(client: Any, populate: bool, timeout: float = 120.0) -> None:
     """Let the server finish backing L1 (--l1-prefault) so that "cold" stores measure what a client sees
-    after start-up, not a race with the prefault thread."""
+    after start-up, not a race with the prefault thread; with `populate`, then let the client map all of it."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and client.stats()["l1_prefault"] == "running":
         time.sleep(0.05)
+    if populate:
+        client.populate_l1()
+        while not client.l1_populated:
+            if time.monotonic() > deadline:
+                raise SystemExit("the client did not map L1 ahead (a kernel before 5.14, or no --l1-prefault)")
+            time.sleep(0.05)
 
 
 def aligned(nbytes: int) -> np.ndarray:
@@ -218,7 +228,7 @@ class _SizeBench:
     each sampling its raw baselines between its requests."""
 
     def __init__(self, url: str, size: int, block: int, req_chunks: int, l1_bytes: int,
-                 rng: np.random.Generator, shm_dir: str) -> None:
+                 rng: np.random.Generator, shm_dir: str, populate: bool) -> None:
         from kvtier.connector.client import ClientConfig, KVTierClient
         from kvtier.server.keys import Namespace
 
@@ -238,7 +248,7 @@ class _SizeBench:
         self.per_pass = per_pass = max(2, l1_bytes // req)
         self.cold = per_pass - per_pass % 2  # alternate modes; never more than L1 holds (every page still fresh)
         self.rawfile = ShmFile(self.cold * req, shm_dir)
-        _wait_backed(self.client)
+        _wait_backed(self.client, populate)
         self.prompts: list[np.ndarray] = []
         self.write, self.read, self.store, self.retrieve = _path_calls(self)
 
@@ -301,9 +311,10 @@ class _SizeBench:
 
 
 def bench_size(url: str, size: int, block: int, req_chunks: int, l1_bytes: int, warm_passes: int,
-               rng: np.random.Generator, shm_dir: str) -> tuple[dict[str, Any], dict[str, Any], int]:
+               rng: np.random.Generator, shm_dir: str, populate: bool
+               ) -> tuple[dict[str, Any], dict[str, Any], int]:
     """The client's copy path for one chunk size, with every raw baseline sampled between its requests."""
-    b = _SizeBench(url, size, block, req_chunks, l1_bytes, rng, shm_dir)
+    b = _SizeBench(url, size, block, req_chunks, l1_bytes, rng, shm_dir, populate)
     b.cold_stores()
     b.warm_stores(warm_passes)
     # LRU server: the newest prompts are resident; check which, then read them back
@@ -333,7 +344,7 @@ def run(args: argparse.Namespace) -> int:
             url = args.url or server.url
             t0 = time.perf_counter()
             path, raw, resident = bench_size(url, size, b, req_chunks, l1_bytes, args.warm_passes, rng,
-                                             args.shm_dir)
+                                             args.shm_dir, args.populate)
             seconds = time.perf_counter() - t0
         label = str(size // MiB) if size % MiB == 0 else f"{size / MiB:g}"
         rows[label] = {

@@ -33,9 +33,10 @@ def _check_figure(result: dict) -> None:
     assert _positive(result["ratio"])
 
 
-def test_bench_datapath_tiny() -> None:
+@pytest.mark.parametrize("extra", [(), ("--populate",)], ids=["first-touch", "mapped-ahead"])
+def test_bench_datapath_tiny(extra: tuple[str, ...]) -> None:
     result = _bench("datapath", "--sizes-mib", "0.25,0.5", "--block-kib", "64", "--request-mib", "1",
-                    "--l1-mib", "8", "--warm-passes", "1")
+                    "--l1-mib", "8", "--warm-passes", "1", *extra)
     _check_figure(result)
     assert set(result["sizes"]) == {"0.25", "0.5"}
     for row in result["sizes"].values():
