@@ -159,15 +159,11 @@ class Segment:
         """Back the whole segment with memory (the owner's `posix_fallocate`, in steps so that `stop` is
         honoured); `progress` gets the bytes backed so far. Afterwards no write to the segment allocates
         and zeroes a page on first touch. Returns whether it finished."""
-        done = 0
-        while done < self.size:
-            if stop.is_set():
-                return False
-            n = min(PREFAULT_STEP, self.size - done)
-            os.posix_fallocate(self.fd, done, n)
-            done += n
-            progress(done)
-        return True
+        def back(offset: int, length: int) -> None:
+            os.posix_fallocate(self.fd, offset, length)
+            progress(offset + length)
+
+        return self._in_steps(PREFAULT_STEP, stop, back)
 
     def populate(self, stop: threading.Event, step: int = POPULATE_STEP) -> bool:
         """Enter every page of this mapping into this process's page tables, writable, without writing to it
@@ -179,14 +175,23 @@ class Segment:
         anchor = ctypes.c_char.from_buffer(self.buf)  # an export of the mapping, for its address only
         base = ctypes.addressof(anchor)
         del anchor
+
+        def map_ahead(offset: int, length: int) -> None:
+            if _madvise(base + offset, length, MADV_POPULATE_WRITE) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {self.name}: {os.strerror(err)}")
+
+        return self._in_steps(step, stop, map_ahead)
+
+    def _in_steps(self, step: int, stop: threading.Event, each: Callable[[int, int], None]) -> bool:
+        """`each(offset, length)` over the whole segment, `step` bytes a call, until `stop` is set; returns
+        whether it went through all of it."""
         done = 0
         while done < self.size:
             if stop.is_set():
                 return False
             n = min(step, self.size - done)
-            if _madvise(base + done, n, MADV_POPULATE_WRITE) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"madvise(MADV_POPULATE_WRITE) of {self.name}: {os.strerror(err)}")
+            each(done, n)
             done += n
         return True
 

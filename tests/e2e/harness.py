@@ -560,18 +560,6 @@ def wait_remote_drained(http_port: int, timeout: float = 60.0) -> dict:
                                and s.get("remote_written", 0) > 0), timeout, "remote writes not drained")
 
 
-def group_pids(pgid: int) -> list[int]:
-    """The live processes of process group `pgid`."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                if int(stat.rsplit(")", 1)[1].split()[2]) == pgid:
-                    pids.append(int(entry))
-    return pids
-
-
 def mapped_bytes(pid: int, path: str) -> int:
     """How much of the file `path` process `pid` has in its page tables now (its mappings' Rss, smaps)."""
     total, inside = 0, False
@@ -583,17 +571,6 @@ def mapped_bytes(pid: int, path: str) -> int:
             elif inside and fields[:1] == ["Rss:"]:
                 total += int(fields[1]) * 1024
     return total
-
-
-def l1_segment(daemon_pid: int) -> str:
-    """The path of a kvtier daemon's L1 segment: its largest mapping of a file under /dev/shm."""
-    sizes: dict[str, int] = {}
-    for line in Path(f"/proc/{daemon_pid}/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 6 and fields[5].startswith("/dev/shm/"):
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            sizes[fields[5]] = sizes.get(fields[5], 0) + end - start
-    return max(sizes, key=sizes.__getitem__)
 
 
 def cached_tokens(http_port: int, model: str | os.PathLike, tokens: Sequence[int]) -> int:

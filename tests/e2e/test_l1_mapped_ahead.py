@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import harness
 import pytest
+import thread_cpu
 
 pytestmark = pytest.mark.e2e
 
@@ -15,12 +16,12 @@ L1_BYTES = int(L1_GB * (1 << 30))
 
 def test_a_cpu_worker_maps_all_of_l1_ahead(vllm_python, tiny_model, logdir):
     kp, kh, port = harness.free_port(), harness.free_port(), harness.free_port()
-    with harness.start_kvtier(kp, kh, L1_GB, python=vllm_python, logdir=logdir) as kv:
-        segment = harness.l1_segment(kv.pid)
+    with harness.start_kvtier(kp, kh, L1_GB, python=vllm_python, logdir=logdir):
+        segment = f"/dev/shm/kvtier-{kp}"  # the server's default segment name, kvtier-<port>
         kvc = harness.kvtier_connector_config(kp)
         with harness.start_vllm(tiny_model, port, kvc, python=vllm_python, logdir=logdir) as v:
             def mapped() -> dict[int, int]:
-                return {pid: harness.mapped_bytes(pid, segment) for pid in harness.group_pids(v.pgid)}
+                return {pid: harness.mapped_bytes(pid, segment) for pid in thread_cpu.processes([v.pgid])}
 
             harness.wait_for(mapped, lambda m: max(m.values(), default=0) >= 0.95 * L1_BYTES, 60,
                              "all of L1 mapped into the vLLM worker")

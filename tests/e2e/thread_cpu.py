@@ -12,6 +12,7 @@ rows of several runs and then folds a process's rows under 0.05 s into one, `(ot
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,17 +54,24 @@ def _involuntary(status: Path) -> int:
     return 0
 
 
+def processes(groups: Iterable[int]) -> dict[int, int]:
+    """The live processes of the process groups `groups`: pid -> its group."""
+    wanted, out = set(groups), {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            fields = _stat_fields(proc / "stat")
+            if fields is not None and int(fields[2]) in wanted:  # field 5 of stat: the process group
+                out[int(proc.name)] = int(fields[2])
+    return out
+
+
 def snapshot(groups: dict[int, str]) -> dict[tuple[int, int], ThreadSample]:
     """Every thread of every process whose process group is a key of `groups`, keyed by (pid, tid); the
     process named `label/comm`, with the group's label."""
     out: dict[tuple[int, int], ThreadSample] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        fields = _stat_fields(proc / "stat")
-        if fields is None or int(fields[2]) not in groups:  # field 5 of stat: the process group
-            continue
-        process = f"{groups[int(fields[2])]}/{_comm(proc / 'comm')}"
+    for pid, group in processes(groups).items():
+        proc = Path(f"/proc/{pid}")
+        process = f"{groups[group]}/{_comm(proc / 'comm')}"
         try:
             tasks = list((proc / "task").iterdir())
         except OSError:
